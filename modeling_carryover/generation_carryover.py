@@ -1,0 +1,288 @@
+"""Carryover decoding through `transformers` generate.
+
+This file is self-contained (torch + transformers only): it is imported by the drafter's model file and also saved,
+unchanged, as `custom_generate/generate.py` next to every checkpoint, so that
+
+    target.generate(**inputs, assistant_model=drafter, custom_generate=<drafter folder or repo>, trust_remote_code=True)
+
+decodes with carryover in a process where this project is not installed. It talks to the drafter only through the
+drafter's own methods (`target_features`, `block_inputs`, `rejected_rows`, `forward`, `markov_correction`), so the
+concepts they define are the ones training uses too.
+
+Each round (batch size 1, like all assisted generation in transformers):
+  1. the target's last verification forward returned hidden states for the window `[anchor, draft_1 .. draft_c]`;
+  2. the anchor and the accepted drafts become committed drafter context (their keys/values are cached);
+  3. with carryover, the rejected drafts' rows (+ E_carry) become read-only context for the next proposal only;
+  4. the drafter proposes up to `block_size - 1` tokens for the block `[new anchor, MASK ...]`;
+  5. transformers verifies them (greedy match or exact speculative sampling) and crops its own cache.
+"""
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from transformers import DynamicCache, GenerationMixin
+from transformers.generation.candidate_generator import CandidateGenerator
+
+
+@dataclass
+class DraftRound:
+    """One speculative round: `proposed` drafts for the block anchored at `anchor_position`, of which the target
+    accepted `accepted`, with `carried` rejected rows of the previous round as extra context. `drafts` are the
+    proposed token ids (for replay analyses). Seconds are wall-clock (CUDA-synchronised)."""
+
+    anchor_position: int
+    proposed: int
+    carried: int
+    drafts: list[int] = field(default_factory=list)
+    accepted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+
+@dataclass
+class GenerationStats:
+    """Per-round records of the last `generate` call (`drafter.generation_stats`)."""
+
+    rounds: list[DraftRound] = field(default_factory=list)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def acceptance_length(self) -> float:
+        """tau: tokens per verification round, bonus token included, micro-averaged over rounds."""
+        if not self.rounds:
+            return float("nan")
+        return sum(r.accepted + 1 for r in self.rounds) / len(self.rounds)
+
+    @property
+    def carried_rows(self) -> int:
+        return sum(r.carried for r in self.rounds)
+
+
+def _synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class CarryoverCandidateGenerator(CandidateGenerator):
+    """Proposes blocks with a Carryover drafter from the target's hidden states of every verification forward."""
+
+    requires_model_outputs = True
+
+    def __init__(self, target, drafter, generation_config, logits_processor=None, carryover=None, input_ids=None):
+        drafter.check_target(target.config)
+        if input_ids is not None and input_ids.shape[0] != 1:
+            raise ValueError(
+                f"Carryover decoding takes one sequence at a time (batch size 1, as transformers' assisted generation); "
+                f"got a batch of {input_ids.shape[0]}. Call generate once per prompt."
+            )
+        if input_ids is not None and input_ids.shape[1] == 0:
+            raise ValueError("The prompt is empty: carryover decoding needs at least one input token.")
+        self.drafter = drafter
+        self.block_size = drafter.config.block_size
+        self.carryover = drafter.config.carryover if carryover is None else bool(carryover)
+        self.use_markov = drafter.config.markov_rank > 0
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        # Each verification forward returns the feature layers only (all layers if the caller asked for them).
+        indices = True if generation_config.output_hidden_states else drafter.feature_hidden_state_indices
+        self.model_kwargs_overrides = {"output_hidden_states": indices}
+        self.do_sample = generation_config.do_sample
+        self.max_length = generation_config.max_length
+        self.logits_processor = logits_processor if logits_processor is not None else []
+
+        self.cache = DynamicCache()  # committed context keys/values of the drafter
+        self.num_committed = 0  # positions 0 .. num_committed-1 are committed context (cached or pending)
+        self.pending = None  # (features [1, P, F], position ids [1, P]) committed but not yet in the cache
+        self.carried = None  # (features [1, 1, R, F], position ids [1, 1, R]) for the next proposal only
+        self.stats = GenerationStats()
+        drafter.generation_stats = self.stats
+        self.current_round = None
+        self.verify_started = 0.0
+
+    # -- after each verification ---------------------------------------------------------------------------------
+
+    def _absorb_verification(self, input_ids, model_outputs):
+        """Split the verified window into committed rows (anchor + accepted drafts) and rejected rows."""
+        device = self.drafter.device
+        window = self.drafter.target_features(model_outputs.hidden_states).to(device)  # [1, W, F]
+        window_position_ids = self.num_committed + torch.arange(window.shape[1], device=device)[None]  # [1, W]
+        # input_ids ends with the new anchor (bonus token), whose own features come with the next verification.
+        num_new = input_ids.shape[1] - 1 - self.num_committed
+        new = (window[:, :num_new], window_position_ids[:, :num_new])
+        self.pending = new if self.pending is None else tuple(torch.cat(p, 1) for p in zip(self.pending, new))
+        self.num_committed += num_new
+
+        self.carried = None
+        if self.carryover and num_new < window.shape[1]:
+            accepted_len = torch.tensor([num_new - 1], device=device)
+            rows, row_position_ids, valid = self.drafter.rejected_rows(window, window_position_ids, accepted_len)
+            num_rejected = int(valid.sum())  # valid rows are packed first
+            self.carried = (rows[:, None, :num_rejected], row_position_ids[:, None, :num_rejected])
+
+    # -- the proposal --------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _propose(self, input_ids, num_drafts):
+        """Draft `num_drafts` tokens after `input_ids`. Returns candidates [1, L + c] and processed logits [1, c, V]."""
+        device = self.drafter.device
+        anchor_position_ids = torch.tensor([input_ids.shape[1] - 1], device=device)
+        block_ids, block_position_ids = self.drafter.block_inputs(input_ids[:, -1].to(device), anchor_position_ids)
+        block_embeds = self.embed_tokens(block_ids.to(self.embed_tokens.weight.device)).to(device)
+        carried_features, carried_position_ids = self.carried if self.carried is not None else (None, None)
+        context_features, context_position_ids = self.pending
+        out = self.drafter(
+            block_embeds[:, None],
+            block_position_ids[:, None],
+            context_features=context_features,
+            context_position_ids=context_position_ids,
+            carried_features=carried_features,
+            carried_position_ids=carried_position_ids,
+            past_key_values=self.cache,
+        )
+        self.pending = None
+        hidden = out.last_hidden_state[0, 0, 1 : num_drafts + 1]  # slot k predicts the token at anchor + k
+        logits = self.lm_head(hidden.to(self.lm_head.weight.device, self.lm_head.weight.dtype)).float()  # [c, V]
+        return self._choose_drafts(input_ids, logits)
+
+    def _choose_drafts(self, input_ids, logits):
+        """Pick drafts slot by slot as the target will judge them: logits processors see the sequence so far and the
+        Markov head the previous choice. The returned logits are exactly those each draft was drawn from."""
+        if not (self.do_sample or self.use_markov or len(self.logits_processor)):
+            drafts = logits.argmax(-1)[None].to(input_ids.device)
+            return torch.cat([input_ids, drafts], dim=-1), logits[None]
+        sequence, previous, chosen_from = input_ids, input_ids[:, -1], []
+        for slot_logits in logits.split(1):  # [1, V]
+            if self.use_markov:
+                correction = self.drafter.markov_correction(previous.to(self.drafter.device))
+                slot_logits = slot_logits + correction.float().to(slot_logits.device)
+            if len(self.logits_processor):
+                slot_logits = self.logits_processor(sequence, slot_logits)
+            if self.do_sample:
+                draft = torch.multinomial(slot_logits.softmax(-1), num_samples=1)
+            else:
+                draft = slot_logits.argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, draft.to(sequence.device)], dim=-1)
+            previous = draft[:, 0]
+            chosen_from.append(slot_logits)
+        return sequence, torch.stack(chosen_from, dim=1)
+
+    # -- the CandidateGenerator interface ------------------------------------------------------------------------
+
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
+        if is_first_iteration:  # no target features yet: the target prefills and emits the first token itself
+            return input_ids, None
+        self._absorb_verification(input_ids, model_outputs)
+        num_drafts = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)  # leave room for the bonus
+        if num_drafts <= 0:
+            return input_ids, None
+
+        started = time.perf_counter()
+        candidates, candidate_logits = self._propose(input_ids, num_drafts)
+        _synchronize(self.drafter.device)
+        self.verify_started = time.perf_counter()
+        carried = 0 if self.carried is None else self.carried[0].shape[2]
+        self.current_round = DraftRound(
+            anchor_position=input_ids.shape[1] - 1,
+            proposed=num_drafts,
+            carried=carried,
+            drafts=candidates[0, input_ids.shape[1] :].tolist(),
+            draft_seconds=self.verify_started - started,
+        )
+        return candidates, candidate_logits if self.do_sample else None
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        if self.current_round is None:  # that forward was a plain target step
+            return
+        _synchronize(input_ids.device)
+        self.current_round.accepted = int(num_matches)
+        self.current_round.verify_seconds = time.perf_counter() - self.verify_started
+        self.stats.rounds.append(self.current_round)
+        self.current_round = None
+
+
+@contextlib.contextmanager
+def _candidate_generator_of(target, candidate_generator):
+    """Make `target._assisted_decoding` use `candidate_generator` (an instance-level override; not thread-safe)."""
+    previous = vars(target).get("_get_candidate_generator")
+    target._get_candidate_generator = lambda *args, **kwargs: candidate_generator
+    try:
+        yield
+    finally:
+        if previous is None:
+            del target._get_candidate_generator
+        else:
+            target._get_candidate_generator = previous
+
+
+def carryover_decoding(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    carryover_drafter=None,
+    carryover=None,
+    carryover_streamer=None,
+    inputs_tensor=None,
+    **model_kwargs,
+):
+    """The decoding method handed to `generate(custom_generate=...)`: transformers' assisted decoding loop with a
+    `CarryoverCandidateGenerator`."""
+    if generation_config.num_beams != 1 or generation_config.num_return_sequences != 1:
+        raise ValueError("Carryover decoding supports num_beams=1 and num_return_sequences=1 only.")
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("Carryover decoding starts from an empty target cache; do not pass a pre-filled past_key_values.")
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("Carryover decoding does not support padded prompts; pass the prompt without padding.")
+    generator = CarryoverCandidateGenerator(
+        model, carryover_drafter, generation_config, logits_processor, carryover=carryover, input_ids=input_ids
+    )
+    if carryover_streamer is not None:
+        carryover_streamer.put(input_ids.cpu())
+    with _candidate_generator_of(model, generator):
+        return GenerationMixin._assisted_decoding(
+            model,
+            input_ids,
+            logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria,
+            generation_config=generation_config,
+            assistant_model=carryover_drafter,
+            streamer=carryover_streamer,
+            inputs_tensor=inputs_tensor,
+            **model_kwargs,
+        )
+
+
+def generate(model, *args, assistant_model=None, carryover=None, streamer=None, **kwargs):
+    """Speculative decoding of `model` (the target) with a Carryover drafter as `assistant_model`.
+
+    This is both the Hub `custom_generate` entry point (`target.generate(..., assistant_model=drafter,
+    custom_generate=<drafter folder>, trust_remote_code=True)`) and the in-process API
+    (`modeling_carryover.generate(target, **inputs, assistant_model=drafter, max_new_tokens=...)`).
+    `carryover=False` decodes with the same weights but without carried rows (the paper's OFF); the default is the
+    drafter config's `carryover`. Afterwards `assistant_model.generation_stats` holds the per-round records.
+    """
+    if assistant_model is None or not hasattr(assistant_model, "block_inputs"):
+        raise ValueError(
+            "Carryover decoding needs the drafter as `assistant_model=`, loaded with "
+            "`AutoModel.from_pretrained(<drafter>, trust_remote_code=True)`; got "
+            f"{type(assistant_model).__name__}."
+        )
+    kwargs.pop("custom_generate", None)
+    return GenerationMixin.generate(
+        model,
+        *args,
+        custom_generate=carryover_decoding,
+        carryover_drafter=assistant_model,
+        carryover=carryover,
+        carryover_streamer=streamer,
+        **kwargs,
+    )

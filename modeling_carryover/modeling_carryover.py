@@ -1,0 +1,410 @@
+"""PyTorch Carryover drafter: a DFlash-style block-diffusion drafter that also reads rejected target states.
+
+This file travels with every checkpoint (`auto_map`), so it imports only torch, transformers and its siblings by
+relative import. Shapes use: S sequences, N blocks per sequence, B block size, T context rows, R carried rows,
+H query heads, K key/value heads, D head dim, d hidden size, F = len(target_layer_ids) * d feature width.
+
+One forward serves decoding (S = N = 1, committed rows in a cache) and training (all anchors of a response at once):
+each block attends to the committed context rows it may see, to its own carried rejected rows, and to itself.
+"""
+
+import inspect
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.utils import ModelOutput
+
+from .configuration_carryover import CarryoverDrafterConfig
+from .generation_carryover import generate as carryover_generate
+
+USAGE_HINT = (
+    "A CarryoverDrafterModel is not a stand-alone assistant model: it drafts from the target's hidden states, which "
+    "plain assisted generation does not pass. Decode with carryover through its own generation code:\n"
+    "    target.generate(**inputs, assistant_model=drafter, custom_generate=<drafter folder or Hub repo id>, "
+    "trust_remote_code=True)\n"
+    "or, with the package installed: `modeling_carryover.generate(target, **inputs, assistant_model=drafter)`."
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Concepts shared by decoding and training (one definition each).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def feature_hidden_state_indices(target_layer_ids: list[int]) -> list[int]:
+    """Indices into HF `output_hidden_states` for the feature layers: id l is the OUTPUT of decoder layer l."""
+    return [i + 1 for i in target_layer_ids]
+
+
+def rejected_rows(window_features, window_position_ids, accepted_len):
+    """The rows of a verified window that carry over: the rejected draft positions.
+
+    A verification window is `[anchor, draft_1 .. draft_c]`; the anchor and the `accepted_len` accepted drafts are
+    committed, the rest were rejected. Rejected rows are packed to the front of `W - 1` slots.
+
+    window_features [..., W, F], window_position_ids [..., W], accepted_len [...] (long)
+    returns features [..., W-1, F], position ids [..., W-1], valid mask [..., W-1]
+    """
+    width = window_features.shape[-2]
+    index = accepted_len.unsqueeze(-1) + 1 + torch.arange(width - 1, device=window_features.device)
+    valid = index < width
+    index = index.clamp(max=width - 1)
+    features = torch.gather(window_features, -2, index.unsqueeze(-1).expand(*index.shape, window_features.shape[-1]))
+    position_ids = torch.gather(window_position_ids, -1, index)
+    return features, position_ids, valid
+
+
+def block_attention(query, context_keys, context_values, own_keys, own_values, context_mask, own_mask, scaling):
+    """Non-causal attention of N blocks to their shared context rows and to their own rows (carried rows + block).
+
+    query [S, N, H, B, D]; context_keys/values [S, K, T, D] (shared by the N blocks of a sequence);
+    own_keys/values [S, N, K, J, D]; context_mask [S, N, T] and own_mask [S, N, J] (True = visible) or None.
+    Returns the attention output [S, N, B, H*D] and the probabilities [S, N, H, B, T+J].
+    """
+    S, N, H, B, D = query.shape
+    K, T, J = context_keys.shape[1], context_keys.shape[2], own_keys.shape[3]
+    q = query.view(S, N, K, H // K, B, D)  # query head h reads key/value head h // (H // K), as in HF's repeat_kv
+    scores = torch.cat(
+        [torch.einsum("snkgbd,sktd->snkgbt", q, context_keys), torch.einsum("snkgbd,snkjd->snkgbj", q, own_keys)], -1
+    ).float() * scaling
+    if context_mask is not None or own_mask is not None:
+        if context_mask is None:
+            context_mask = torch.ones(S, N, T, dtype=torch.bool, device=query.device)
+        if own_mask is None:
+            own_mask = torch.ones(S, N, J, dtype=torch.bool, device=query.device)
+        visible = torch.cat([context_mask, own_mask], -1)[:, :, None, None, None, :]
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = scores.softmax(-1).to(query.dtype)
+    out = torch.einsum("snkgbt,sktd->snkgbd", probs[..., :T], context_values) + torch.einsum(
+        "snkgbj,snkjd->snkgbd", probs[..., T:], own_values
+    )
+    out = out.reshape(S, N, H, B, D).transpose(2, 3).reshape(S, N, B, H * D)
+    return out, probs.view(S, N, H, B, T + J)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class CarryoverRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class CarryoverRotaryEmbedding(nn.Module):
+    """RoPE with the target's settings, at absolute positions; `partial_rotary_factor` rotates a prefix of each head."""
+
+    def __init__(self, config: CarryoverDrafterConfig):
+        super().__init__()
+        self.config = config
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        init_fn = self.compute_default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = init_fn(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config, **kwargs):
+        rope = config.rope_parameters
+        rotary_dim = int(config.head_dim * rope.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    def forward(self, position_ids):
+        """position_ids [...] -> cos, sin [..., rotary_dim] (float32)."""
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    """x [..., heads, T, D]; cos/sin [..., T, rotary_dim] without the heads axis. Rotates the first rotary_dim dims."""
+    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    x_rot = (x_rot.float() * cos + rotate_half(x_rot.float()) * sin).to(x.dtype)
+    return torch.cat((x_rot, x_pass), dim=-1)
+
+
+class CarryoverMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class CarryoverAttention(nn.Module):
+    """Queries from the block only; keys/values from [context rows ; carried rows ; block] with this layer's own
+    k/v projections (the paper's Phi_l), per-head RMSNorm on q and k (Qwen3-style), RoPE at absolute positions."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.scaling = self.head_dim**-0.5
+        d, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
+        self.q_norm = CarryoverRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = CarryoverRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def keys_values(self, rows, rope):
+        """rows [..., T, d] -> keys, values [..., K, T, D] with RoPE applied to the keys."""
+        shape = (*rows.shape[:-1], self.num_kv_heads, self.head_dim)
+        keys = self.k_norm(self.k_proj(rows).view(shape)).transpose(-3, -2)
+        values = self.v_proj(rows).view(shape).transpose(-3, -2)
+        return apply_rotary(keys, *rope), values
+
+    def forward(self, hidden_states, context, carried, ropes, context_mask, own_mask, past_key_values):
+        S, N, B, _ = hidden_states.shape
+        query = self.q_norm(self.q_proj(hidden_states).view(S, N, B, self.num_heads, self.head_dim)).transpose(2, 3)
+        query = apply_rotary(query, *ropes["block"])  # [S, N, H, B, D]
+        block_keys, block_values = self.keys_values(hidden_states, ropes["block"])  # [S, N, K, B, D]
+
+        if context is not None:
+            context_keys, context_values = self.keys_values(context, ropes["context"])  # [S, K, T, D]
+        else:
+            context_keys = context_values = block_keys.new_zeros(S, self.num_kv_heads, 0, self.head_dim)
+        if past_key_values is not None:  # committed rows only: carried rows and the block are never cached
+            context_keys, context_values = past_key_values.update(context_keys, context_values, self.layer_idx)
+
+        if carried is not None:
+            carried_keys, carried_values = self.keys_values(carried, ropes["carried"])  # [S, N, K, R, D]
+            block_keys = torch.cat([carried_keys, block_keys], dim=3)
+            block_values = torch.cat([carried_values, block_values], dim=3)
+
+        out, probs = block_attention(
+            query, context_keys, context_values, block_keys, block_values, context_mask, own_mask, self.scaling
+        )
+        return self.o_proj(out), probs
+
+
+class CarryoverDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.self_attn = CarryoverAttention(config, layer_idx)
+        self.mlp = CarryoverMLP(config)
+        self.input_layernorm = CarryoverRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = CarryoverRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, context, carried, ropes, context_mask, own_mask, past_key_values):
+        attn_out, probs = self.self_attn(
+            self.input_layernorm(hidden_states), context, carried, ropes, context_mask, own_mask, past_key_values
+        )
+        hidden_states = hidden_states + attn_out
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states, probs
+
+
+@dataclass
+class CarryoverDrafterOutput(ModelOutput):
+    """
+    last_hidden_state (`[S, N, B, d]`): final-normed hidden states of the blocks (apply the target's LM head).
+    attentions (`tuple` of `[S, N, H, B, T+R+B]`, *optional*): per-layer attention probabilities over
+        [context rows ; carried rows ; block], when `output_attentions=True`.
+    """
+
+    last_hidden_state: torch.FloatTensor | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+class CarryoverPreTrainedModel(PreTrainedModel):
+    config_class = CarryoverDrafterConfig
+    config: CarryoverDrafterConfig
+    base_model_prefix = ""
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["CarryoverDecoderLayer"]
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, CarryoverDrafterModel):
+            if module.carry_embedding is not None:
+                init.zeros_(module.carry_embedding)
+            if module.carry_proj is not None:  # zero: the projector starts as "no marker"
+                init.zeros_(module.carry_proj.weight)
+            if module.markov_proj is not None:  # zero: the Markov drafter starts as plain DFlash
+                init.zeros_(module.markov_proj.weight)
+
+
+class CarryoverDrafterModel(CarryoverPreTrainedModel):
+    """The Carryover drafter (see [`CarryoverDrafterConfig`]). Uses the target's embedding and LM head, which are
+    not part of this model or its checkpoint."""
+
+    def __init__(self, config: CarryoverDrafterConfig):
+        super().__init__(config)
+        d, feature_size = config.hidden_size, config.feature_size
+        self.fc = nn.Linear(feature_size, d, bias=False)
+        self.hidden_norm = CarryoverRMSNorm(d, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(CarryoverDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = CarryoverRMSNorm(d, eps=config.rms_norm_eps)
+        self.rotary_emb = CarryoverRotaryEmbedding(config)
+
+        # E_carry: the one learned vector that marks rejected rows, added before F (Algorithm 1).
+        self.carry_embedding = nn.Parameter(torch.zeros(feature_size)) if config.carryover_interface == "embedding" else None
+        self.carry_proj = nn.Linear(feature_size, d, bias=False) if config.carryover_interface == "projector" else None
+
+        rank = config.markov_rank
+        self.markov_embed = nn.Embedding(config.vocab_size, rank) if rank else None  # W1
+        self.markov_proj = nn.Linear(rank, config.vocab_size, bias=False) if rank else None  # W2
+        self.confidence_head = nn.Linear(d + rank, 1) if rank else None
+
+        self.generation_stats = None  # filled by every carryover `generate` call
+        self.post_init()
+
+    def __getattr__(self, name):
+        if name == "generation_config":  # reached only by plain assisted generation: say what to do instead
+            raise AttributeError(USAGE_HINT)
+        return super().__getattr__(name)
+
+    # -- the target interface ----------------------------------------------------------------------------------
+
+    @property
+    def feature_hidden_state_indices(self) -> list[int]:
+        return feature_hidden_state_indices(self.config.target_layer_ids)
+
+    def target_features(self, hidden_states) -> torch.Tensor:
+        """Concatenate the target's feature layers from HF `hidden_states` (tuple of [S, T, d]) -> [S, T, F]."""
+        return torch.cat([hidden_states[i] for i in self.feature_hidden_state_indices], dim=-1)
+
+    def check_target(self, target_config) -> None:
+        self.config.check_target(target_config)
+
+    def block_inputs(self, anchor_ids, anchor_position_ids):
+        """Blocks `[anchor, MASK x (B-1)]` at positions `anchor .. anchor + B - 1`.
+
+        anchor_ids, anchor_position_ids [...] -> block ids, block position ids [..., B]
+        """
+        offsets = torch.arange(self.config.block_size, device=anchor_ids.device)
+        block_ids = torch.full((*anchor_ids.shape, self.config.block_size), self.config.mask_token_id, device=anchor_ids.device)
+        block_ids[..., 0] = anchor_ids
+        return block_ids, anchor_position_ids.unsqueeze(-1) + offsets
+
+    rejected_rows = staticmethod(rejected_rows)
+
+    # -- the drafter -------------------------------------------------------------------------------------------
+
+    def fuse(self, features, carried: bool = False):
+        """F(H) = hidden_norm(fc(H)); carried (rejected) rows get their marker first. features [..., F] -> [..., d]."""
+        features = features.to(self.fc.weight.dtype)
+        if carried and self.carry_embedding is not None:
+            features = features + self.carry_embedding
+        fused = self.fc(features)
+        if carried and self.carry_proj is not None:
+            fused = fused + self.carry_proj(features)
+        return self.hidden_norm(fused)
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_position_ids: torch.LongTensor,
+        context_features: torch.Tensor | None = None,
+        context_position_ids: torch.LongTensor | None = None,
+        context_mask: torch.BoolTensor | None = None,
+        carried_features: torch.Tensor | None = None,
+        carried_position_ids: torch.LongTensor | None = None,
+        carried_mask: torch.BoolTensor | None = None,
+        past_key_values=None,
+        output_attentions: bool = False,
+    ) -> CarryoverDrafterOutput:
+        r"""
+        block_embeds (`[S, N, B, d]`): target embeddings of the blocks `[anchor, MASK x (B-1)]`.
+        block_position_ids (`[S, N, B]`): absolute positions of the block slots.
+        context_features (`[S, T, F]`, *optional*): concatenated target features of committed rows. With a cache,
+            only the rows not yet cached; they are appended to it.
+        context_position_ids (`[S, T]`): their absolute positions.
+        context_mask (`[S, N, T_all]`, *optional*): which context rows (cached + new) each block sees; None = all.
+            Training passes `context_position_ids < anchor` (the anchor's own feature is not available at inference).
+        carried_features (`[S, N, R, F]`, *optional*): target features of rejected draft rows, read-only context for
+            this proposal only; never cached.
+        carried_position_ids (`[S, N, R]`): absolute positions at which they were computed.
+        carried_mask (`[S, N, R]`, *optional*): which carried rows are real (the rest is padding).
+        past_key_values (`transformers.DynamicCache`, *optional*): committed context keys/values per layer.
+        """
+        S, N, B, _ = block_embeds.shape
+        hidden_states = block_embeds.to(self.fc.weight.dtype)
+        ropes = {"block": self.rotary_emb(block_position_ids)}
+        context = carried = None
+        if context_features is not None:
+            context = self.fuse(context_features)
+            ropes["context"] = self.rotary_emb(context_position_ids)
+        if carried_features is not None:
+            carried = self.fuse(carried_features, carried=True)
+            ropes["carried"] = self.rotary_emb(carried_position_ids)
+        own_mask = None
+        if carried_mask is not None:
+            own_mask = torch.cat([carried_mask, carried_mask.new_ones(S, N, B)], dim=-1)
+
+        attentions = ()
+        for layer in self.layers:
+            hidden_states, probs = layer(hidden_states, context, carried, ropes, context_mask, own_mask, past_key_values)
+            if output_attentions:
+                attentions += (probs,)
+        return CarryoverDrafterOutput(
+            last_hidden_state=self.norm(hidden_states), attentions=attentions if output_attentions else None
+        )
+
+    # -- Markov head (DSpark-style first-order correction) ------------------------------------------------------
+
+    def markov_correction(self, prev_token_ids):
+        """W2(W1[x_{k-1}]): logit correction for a slot whose previous token is x_{k-1}. [...] -> [..., V]"""
+        return self.markov_proj(self.markov_embed(prev_token_ids))
+
+    def confidence(self, hidden_states, prev_token_ids):
+        """P(slot k survives | slots before it did) = sigmoid(Linear([h_k ; W1[x_{k-1}]])). -> [...]"""
+        features = torch.cat([hidden_states, self.markov_embed(prev_token_ids).to(hidden_states.dtype)], dim=-1)
+        return torch.sigmoid(self.confidence_head(features).squeeze(-1))
+
+    # -- decoding and checkpoints -------------------------------------------------------------------------------
+
+    def carryover_generate(self, target, *args, **kwargs):
+        """`target.generate` with this drafter and carryover decoding (kwargs as for `generate`, plus `carryover=`)."""
+        return carryover_generate(target, *args, assistant_model=self, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save weights, config (with `auto_map`), the model code and `custom_generate/generate.py`, so that the
+        folder (or a Hub repo with the same files) decodes with `custom_generate=<folder>` on its own."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        custom_generate = Path(save_directory) / "custom_generate"
+        custom_generate.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(inspect.getsourcefile(carryover_generate), custom_generate / "generate.py")
+
+
+CarryoverDrafterConfig.register_for_auto_class()
+CarryoverDrafterModel.register_for_auto_class("AutoModel")
+
+__all__ = ["CarryoverDrafterModel", "CarryoverPreTrainedModel", "CarryoverDrafterOutput", "rejected_rows"]

