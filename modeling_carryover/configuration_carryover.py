@@ -127,6 +127,18 @@ class CarryoverDrafterConfig(PreTrainedConfig):
                 f"({self.num_key_value_heads})."
             )
 
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """Refuse configs of other models (a target, a DFlash checkpoint) instead of silently building a drafter."""
+        model_type = config_dict.get("model_type")
+        if model_type is not None and model_type != cls.model_type:
+            hint = " (a DFlash/DSpark drafter: import it with `python hub/convert.py`)" if "dflash_config" in config_dict else ""
+            raise ValueError(
+                f"Not a Carryover drafter checkpoint: its config has model_type={model_type!r}{hint}; expected "
+                f"{cls.model_type!r}."
+            )
+        return super().from_dict(config_dict, **kwargs)
+
     @property
     def feature_size(self) -> int:
         """Width of one concatenated target-feature row: `len(target_layer_ids) * hidden_size`."""

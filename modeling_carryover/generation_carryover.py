@@ -30,12 +30,14 @@ from transformers.generation.candidate_generator import CandidateGenerator
 @dataclass
 class DraftRound:
     """One speculative round: `proposed` drafts for the block anchored at `anchor_position`, of which the target
-    accepted `accepted`, with `carried` rejected rows of the previous round as extra context. `drafts` are the
-    proposed token ids (for replay analyses). Seconds are wall-clock (CUDA-synchronised)."""
+    accepted `accepted`, with `carried` rejected rows of the previous round as extra context and `committed_rows`
+    rows in the drafter's cache. `drafts` are the proposed token ids (for replay analyses). Seconds are wall-clock
+    (CUDA-synchronised)."""
 
     anchor_position: int
     proposed: int
     carried: int
+    committed_rows: int
     drafts: list[int] = field(default_factory=list)
     accepted: int = 0
     draft_seconds: float = 0.0
@@ -153,9 +155,9 @@ class CarryoverCandidateGenerator(CandidateGenerator):
     def _choose_drafts(self, input_ids, logits):
         """Pick drafts slot by slot as the target will judge them: logits processors see the sequence so far and the
         Markov head the previous choice. The returned logits are exactly those each draft was drawn from."""
-        if not (self.do_sample or self.use_markov or len(self.logits_processor)):
-            drafts = logits.argmax(-1)[None].to(input_ids.device)
-            return torch.cat([input_ids, drafts], dim=-1), logits[None]
+        if not (self.do_sample or len(self.logits_processor)):  # plain greedy: the rule training uses too
+            drafts = self.drafter.greedy_drafts(logits, input_ids[0, -1].to(logits.device))
+            return torch.cat([input_ids, drafts[None].to(input_ids.device)], dim=-1), None
         sequence, previous, chosen_from = input_ids, input_ids[:, -1], []
         for slot_logits in logits.split(1):  # [1, V]
             if self.use_markov:
@@ -191,6 +193,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
             anchor_position=input_ids.shape[1] - 1,
             proposed=num_drafts,
             carried=carried,
+            committed_rows=self.cache.get_seq_length(),
             drafts=candidates[0, input_ids.shape[1] :].tolist(),
             draft_seconds=self.verify_started - started,
         )

@@ -286,6 +286,17 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         self.generation_stats = None  # filled by every carryover `generate` call
         self.post_init()
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, but a checkpoint with missing or unexpected drafter weights raises
+        instead of leaving them randomly initialised."""
+        return_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        problems = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys") and v}
+        if problems:
+            raise ValueError(f"Corrupt or foreign drafter checkpoint {args[0] if args else ''!s}: {problems}")
+        return (model, info) if return_info else model
+
     def __getattr__(self, name):
         if name == "generation_config":  # reached only by plain assisted generation: say what to do instead
             raise AttributeError(USAGE_HINT)
@@ -383,6 +394,17 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
     def markov_correction(self, prev_token_ids):
         """W2(W1[x_{k-1}]): logit correction for a slot whose previous token is x_{k-1}. [...] -> [..., V]"""
         return self.markov_proj(self.markov_embed(prev_token_ids))
+
+    def greedy_drafts(self, slot_logits, anchor_ids):
+        """Greedy drafts from the slot logits [..., c, V] (slot k proposes the token at anchor + k), left to right for
+        the Markov head, which corrects each slot with the previous choice (the anchor for the first). -> [..., c]"""
+        if not self.config.markov_rank:
+            return slot_logits.argmax(-1)
+        previous, drafts = anchor_ids, []
+        for logits in slot_logits.unbind(-2):
+            previous = (logits + self.markov_correction(previous).to(logits.dtype)).argmax(-1)
+            drafts.append(previous)
+        return torch.stack(drafts, dim=-1)
 
     def confidence(self, hidden_states, prev_token_ids):
         """P(slot k survives | slots before it did) = sigmoid(Linear([h_k ; W1[x_{k-1}]])). -> [...]"""

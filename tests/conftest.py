@@ -24,6 +24,7 @@ TINY = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=512,
+    initializer_range=0.1,  # 0.02 makes tiny random targets loop on one token; 0.1 gives varied, learnable text
     bos_token_id=None,
     eos_token_id=None,
     pad_token_id=None,
@@ -58,3 +59,67 @@ def llama_target():
 @pytest.fixture
 def qwen3_target():
     return make_target("qwen3")
+
+
+def greedy_dataset(target, num_rows=48, prompt_len=6, new_tokens=48, seed=0):
+    """The target's own greedy continuations of random prompts: `input_ids` and a `loss_mask` on the response."""
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(num_rows):
+        prompt = torch.randint(0, target.config.vocab_size, (1, prompt_len), generator=generator)
+        sequence = target.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[0]
+        response_len = sequence.shape[0] - prompt_len
+        rows.append({"input_ids": sequence.tolist(), "loss_mask": [0] * prompt_len + [1] * response_len})
+    return Dataset.from_list(rows)
+
+
+def train_drafter(target, drafter, dataset, carryover=False, epochs=10, num_anchors=16, lr=3e-3, output_dir=None, **kwargs):
+    """A few epochs of the real CarryoverTrainer on CPU; returns the trainer (the drafter is trained in place)."""
+    import tempfile
+
+    from transformers import TrainingArguments
+
+    from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer
+
+    args = TrainingArguments(
+        output_dir=output_dir or tempfile.mkdtemp(prefix="carryover-test-"),
+        per_device_train_batch_size=4,
+        num_train_epochs=epochs,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = CarryoverTrainer(
+        model=drafter.train(),
+        args=args,
+        train_dataset=dataset,
+        target_model=target,
+        carryover_args=CarryoverArguments(num_anchors=num_anchors, carryover=carryover, **kwargs),
+    )
+    trainer.train()
+    drafter.eval()
+    return trainer
+
+
+_TRAINED = {}
+
+
+def trained_drafter(kind="llama", block_size=4, markov_rank=0, carryover=True):
+    """A drafter trained on the tiny target's greedy outputs (baseline, then carryover), cached per session."""
+    key = (kind, block_size, markov_rank, carryover)
+    if key not in _TRAINED:
+        target = make_target(kind)
+        dataset = greedy_dataset(target)
+        drafter = make_drafter(target, block_size=block_size, markov_rank=markov_rank)
+        train_drafter(target, drafter, dataset, carryover=False, epochs=8)
+        if carryover:
+            train_drafter(target, drafter, dataset, carryover=True, epochs=4)
+        _TRAINED[key] = (target, drafter, dataset)
+    return _TRAINED[key]

@@ -1,0 +1,185 @@
+"""`CarryoverTrainer`: a `transformers.Trainer` that trains a Carryover drafter against a frozen target.
+
+The target is prepared by the Trainer's accelerator for evaluation only (device placement, no DDP/FSDP wrapping, not
+trained, not saved); its features are computed online each step. Only the drafter is optimised and checkpointed
+(`save_pretrained` writes the remote code and `custom_generate/`, so every checkpoint decodes as it is).
+"""
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import Trainer
+
+from .objectives import LossSettings, default_gamma, training_step_loss
+
+TRAINING_SETTINGS_FILE = "carryover_training.json"
+
+
+@dataclass
+class CarryoverArguments:
+    """What the drafter is trained on and how (the rest is `TrainingArguments`)."""
+
+    carryover: bool = field(
+        default=False,
+        metadata={"help": "Train with parallel draft-verify-draft (Algorithm 2); False trains the baseline objective."},
+    )
+    num_anchors: int = field(default=512, metadata={"help": "Random anchors per response (fewer when it is short)."})
+    loss_gamma: float | None = field(
+        default=None, metadata={"help": "Position-weight decay; default 7 for block 16, 4 for block 8."}
+    )
+    markov_ce_weight: float = field(default=0.1, metadata={"help": "Markov variant: weight of the cross-entropy."})
+    markov_l1_weight: float = field(default=0.9, metadata={"help": "Markov variant: weight of the L1 to the target."})
+    confidence_weight: float = field(default=1.0, metadata={"help": "Markov variant: weight of the confidence BCE."})
+    carry_embedding_lr: float | None = field(
+        default=1e-2,
+        metadata={
+            "help": "Learning rate of E_carry (None: the drafter's). Target features reach per-dimension magnitudes "
+            "of ~1-11 (outliers in the thousands): at the drafter's lr a zero-initialised E_carry barely moves."
+        },
+    )
+    carry_embedding_init: str = field(
+        default="keep",
+        metadata={
+            "help": "E_carry at the start: 'keep' (as loaded; zero for a fresh or imported baseline), 'zeros', or "
+            "'feature_rms' (random signs scaled by carry_embedding_init_scale x the per-dimension RMS of the "
+            "target features of the first batch).",
+            "choices": ["keep", "zeros", "feature_rms"],
+        },
+    )
+    carry_embedding_init_scale: float = field(default=0.1, metadata={"help": "Scale for carry_embedding_init=feature_rms."})
+    verify_chunk_size: int = field(default=64, metadata={"help": "Anchors per packed target verification forward."})
+
+
+def pad_collator(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-pad `input_ids` and `loss_mask` rows into a batch with its `attention_mask`."""
+    length = max(len(row["input_ids"]) for row in rows)
+    batch = {name: torch.zeros(len(rows), length, dtype=torch.long) for name in ("input_ids", "attention_mask", "loss_mask")}
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
+        batch["loss_mask"][i, :n] = torch.as_tensor(row["loss_mask"])
+        batch["attention_mask"][i, :n] = 1
+    return batch
+
+
+class CarryoverTrainer(Trainer):
+    # compute_loss returns a per-batch mean: let the Trainer scale it for gradient accumulation.
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, target_model=None, carryover_args: CarryoverArguments | None = None, **kwargs):
+        if target_model is None:
+            raise ValueError("CarryoverTrainer needs the frozen target: CarryoverTrainer(..., target_model=target).")
+        kwargs.setdefault("data_collator", pad_collator)
+        super().__init__(*args, **kwargs)
+        self.args.remove_unused_columns = False  # loss_mask is not a drafter forward argument
+        self.carryover_args = carryover_args or CarryoverArguments()
+        drafter = self.accelerator.unwrap_model(self.model)
+        drafter.check_target(target_model.config)
+        config = drafter.config
+        self.loss_settings = LossSettings(
+            gamma=self.carryover_args.loss_gamma or default_gamma(config.block_size),
+            markov_ce_weight=self.carryover_args.markov_ce_weight,
+            markov_l1_weight=self.carryover_args.markov_l1_weight,
+            confidence_weight=self.carryover_args.confidence_weight,
+        )
+        # The carryover marker trains only with carryover: the baseline objective gives it no gradient (and DDP
+        # requires every trained parameter to get one).
+        for part in (drafter.carry_embedding, drafter.carry_proj):
+            if part is not None:
+                part.requires_grad_(self.carryover_args.carryover)
+        target_model.requires_grad_(False).eval()
+        self.target_model = self.accelerator.prepare_model(target_model, evaluation_mode=True)
+        self._carry_init_pending = self.carryover_args.carryover and self.carryover_args.carry_embedding_init != "keep"
+        self._step_metrics = defaultdict(list)
+
+    # -- the loss ------------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._carry_init_pending:
+            self._init_carry_embedding(inputs)
+        loss, metrics = training_step_loss(
+            model,
+            self.target_model,
+            inputs,
+            self.carryover_args.num_anchors,
+            self.loss_settings,
+            carryover=self.carryover_args.carryover,
+            chunk_size=self.carryover_args.verify_chunk_size,
+        )
+        prefix = "" if model.training else "eval_"
+        for name, value in metrics.items():
+            self._step_metrics[prefix + name].append(float(value))
+        return (loss, None) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def log(self, logs, *args, **kwargs):
+        prefix = "eval_" if any(k.startswith("eval_") for k in logs) else ""
+        for name in [n for n in self._step_metrics if n.startswith("eval_") == bool(prefix)]:
+            values = self._step_metrics.pop(name)
+            logs[name] = sum(values) / len(values)
+        super().log(logs, *args, **kwargs)
+
+    @torch.no_grad()
+    def _init_carry_embedding(self, inputs):
+        """Initialise E_carry once, before the first carryover step (see CarryoverArguments.carry_embedding_init)."""
+        self._carry_init_pending = False
+        drafter = self.accelerator.unwrap_model(self.model)
+        if drafter.carry_embedding is None:
+            return
+        if self.carryover_args.carry_embedding_init == "zeros":
+            drafter.carry_embedding.zero_()
+            return
+        out = self.target_model(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            output_hidden_states=drafter.feature_hidden_state_indices,
+            use_cache=False,
+        )
+        features = drafter.target_features(out.hidden_states)[inputs["attention_mask"].bool()].float()  # [rows, F]
+        rms = features.pow(2).mean(0).sqrt()
+        signs = torch.randint(0, 2, rms.shape, device=rms.device) * 2 - 1
+        drafter.carry_embedding.copy_(self.carryover_args.carry_embedding_init_scale * rms * signs)
+        # the same E_carry on every rank
+        if self.accelerator.num_processes > 1:
+            torch.distributed.broadcast(drafter.carry_embedding.data, src=0)
+
+    # -- optimisation and saving ---------------------------------------------------------------------------------
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer, with E_carry in its own group (own learning rate, no weight decay)."""
+        optimizer = super().create_optimizer(model)
+        drafter = self.accelerator.unwrap_model(self.model)
+        lr = self.carryover_args.carry_embedding_lr
+        if drafter.carry_embedding is None or lr is None or not drafter.carry_embedding.requires_grad:
+            return optimizer
+        if any(group.get("name") == "carry_embedding" for group in optimizer.param_groups):
+            return optimizer
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if p is not drafter.carry_embedding]
+        optimizer.add_param_group(
+            {"params": [drafter.carry_embedding], "lr": lr, "weight_decay": 0.0, "name": "carry_embedding"}
+        )
+        return optimizer
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        super().save_model(output_dir, _internal_call=_internal_call)
+        output_dir = output_dir or self.args.output_dir
+        if self.args.should_save:
+            settings = {
+                "carryover": asdict(self.carryover_args),
+                "loss": asdict(self.loss_settings),
+                "training": {
+                    k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))
+                },
+                "target": getattr(self.target_model.config, "_name_or_path", None),
+            }
+            with open(os.path.join(output_dir, TRAINING_SETTINGS_FILE), "w") as f:
+                json.dump(settings, f, indent=2, default=str)

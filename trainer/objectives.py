@@ -1,0 +1,266 @@
+"""Training objectives: anchors, labels, the baseline losses and the parallel draft-verify-draft transition.
+
+Shapes: S responses, T tokens, N anchors per response, B block size, c = B - 1 draft slots, F feature width, V vocab.
+Everything the drafter sees (features, blocks, positions, carried rows) is built with the drafter's own methods, the
+ones decoding uses, so that training and decoding agree (tests/test_parity.py).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .verification import target_pass, verify_branches
+
+
+def default_gamma(block_size: int) -> float:
+    """Decay of the position weights: DFlash uses 7 for B = 16 and 4 for B = 8 (5 in between)."""
+    return 7.0 if block_size >= 16 else 5.0 if block_size > 8 else 4.0
+
+
+def position_weights(num_slots: int, gamma: float, device=None) -> torch.Tensor:
+    """w_k = exp(-(k - 1) / gamma) for draft slots k = 1 .. c: early slots matter most, since a rejection stops the
+    acceptance of everything after it. -> [c]"""
+    return torch.exp(-torch.arange(num_slots, device=device, dtype=torch.float) / gamma)
+
+
+def sample_anchors(loss_mask, num_anchors: int):
+    """Random anchors per response, sorted: positions a where loss_mask[a] and loss_mask[a + 1] hold (the anchor is a
+    response token and slot 1 has a label). Fewer when the response is short.
+
+    loss_mask [S, T] -> anchor_positions [S, N], anchor_valid [S, N] (padding anchors sit at position 0)
+    """
+    S, T = loss_mask.shape
+    mask = loss_mask.bool()
+    eligible = torch.zeros_like(mask)
+    eligible[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    counts = eligible.sum(-1)
+    N = int(min(num_anchors, counts.max().item())) if counts.numel() else 0
+    if N == 0:
+        raise ValueError("No response has two consecutive loss-mask tokens: nothing to anchor a block on.")
+    # random keys for eligible positions, +inf elsewhere: the N smallest are a uniform sample without replacement
+    keys = torch.rand(S, T, device=loss_mask.device).masked_fill(~eligible, float("inf"))
+    picked = keys.topk(N, dim=-1, largest=False).indices  # [S, N]
+    anchor_valid = torch.gather(eligible, 1, picked)
+    anchor_positions = torch.where(anchor_valid, picked, torch.zeros_like(picked))
+    order = torch.where(anchor_valid, anchor_positions, torch.full_like(anchor_positions, T)).argsort(-1)
+    return torch.gather(anchor_positions, 1, order), torch.gather(anchor_valid, 1, order)
+
+
+def block_labels(input_ids, loss_mask, anchor_positions, anchor_valid, num_slots: int):
+    """Slot k of the block at anchor a predicts token[a + k] (k = 1 .. c); a label counts where it lies inside the
+    sequence and the loss mask. -> labels [S, N, c], label_valid [S, N, c]"""
+    T = input_ids.shape[1]
+    index = anchor_positions.unsqueeze(-1) + torch.arange(1, num_slots + 1, device=input_ids.device)  # [S, N, c]
+    inside = index < T
+    index = index.clamp(max=T - 1)
+    labels = torch.gather(input_ids, 1, index.flatten(1)).view_as(index)
+    in_mask = torch.gather(loss_mask.bool(), 1, index.flatten(1)).view_as(index)
+    return labels, inside & in_mask & anchor_valid.unsqueeze(-1)
+
+
+def context_visibility(attention_mask, anchor_positions):
+    """Block at anchor a sees context rows at positions STRICTLY before a: at inference the anchor's own target
+    feature is not available yet. -> [S, N, T]"""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions[None, None, :] < anchor_positions[:, :, None]) & attention_mask.bool()[:, None, :]
+
+
+@dataclass
+class Batch:
+    """One collated batch plus the target's recorded features: the inputs every drafter pass needs."""
+
+    input_ids: torch.LongTensor  # [S, T]
+    attention_mask: torch.LongTensor  # [S, T]
+    loss_mask: torch.LongTensor  # [S, T]
+    features: torch.Tensor  # [S, T, F]
+    target_probs_hidden: torch.Tensor | None  # [S, T, d] target's final hidden states (Markov objectives)
+
+
+def drafter_hidden(drafter, embed_tokens, batch: Batch, anchor_positions, anchor_valid, carried=None):
+    """All blocks of a batch in one drafter forward. carried: (features [S,N,R,F], position ids, mask) or None.
+    -> hidden states of the draft slots [S, N, c, d]"""
+    anchor_ids = torch.gather(batch.input_ids, 1, anchor_positions)
+    block_ids, block_position_ids = drafter_module(drafter).block_inputs(anchor_ids, anchor_positions)
+    context_position_ids = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device).expand_as(batch.input_ids)
+    carried_features, carried_position_ids, carried_mask = carried if carried is not None else (None, None, None)
+    out = drafter(
+        embed_tokens(block_ids),
+        block_position_ids,
+        context_features=batch.features,
+        context_position_ids=context_position_ids,
+        context_mask=context_visibility(batch.attention_mask, anchor_positions),
+        carried_features=carried_features,
+        carried_position_ids=carried_position_ids,
+        carried_mask=carried_mask,
+    )
+    return out.last_hidden_state[:, :, 1:]
+
+
+def drafter_module(drafter):
+    """The drafter behind a DDP/accelerate wrapper (its helper methods live there)."""
+    return getattr(drafter, "module", drafter)
+
+
+@dataclass
+class LossSettings:
+    gamma: float
+    markov_ce_weight: float = 0.1
+    markov_l1_weight: float = 0.9
+    confidence_weight: float = 1.0
+
+
+def weighted_mean(values, weights, valid):
+    """sum(w * v) / sum(w) over valid slots; values [S, N, c], weights [c], valid [S, N, c]."""
+    w = weights * valid
+    return (values * w).sum() / w.sum().clamp(min=1e-8)
+
+
+def block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, target_logits, settings: LossSettings):
+    """The baseline objective of the drafter variant.
+
+    DFlash: position-weighted cross-entropy. Markov (DSpark): 0.1 CE of the corrected logits + 0.9 L1 distance to
+    the target's distribution + 1.0 BCE of the confidence head against clamp(1 - 0.5 L1, 0, 1), each position-weighted.
+    hidden [S, N, c, d]; labels, label_valid, prev_token_ids [S, N, c]; target_logits [S, N, c, V] or None.
+    Returns (loss, metrics dict).
+    """
+    weights = position_weights(labels.shape[-1], settings.gamma, hidden.device)
+    logits = lm_head(hidden).float()  # [S, N, c, V]
+    module = drafter_module(drafter)
+    if not module.config.markov_rank:
+        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+        loss = weighted_mean(ce, weights, label_valid)
+        return loss, {"ce": loss.detach(), "accuracy": _accuracy(logits, labels, label_valid)}
+
+    logits = logits + module.markov_correction(prev_token_ids).float()
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    draft_probs = logits.softmax(-1)
+    target_probs = target_logits.float().softmax(-1)
+    l1 = (draft_probs - target_probs).abs().sum(-1)  # [S, N, c], in [0, 2]
+    confidence_target = (1 - 0.5 * l1).clamp(0, 1).detach()
+    confidence = module.confidence(hidden, prev_token_ids).float()
+    bce = F.binary_cross_entropy(confidence.clamp(1e-6, 1 - 1e-6), confidence_target, reduction="none")
+    ce_loss, l1_loss, bce_loss = (weighted_mean(x, weights, label_valid) for x in (ce, l1, bce))
+    loss = settings.markov_ce_weight * ce_loss + settings.markov_l1_weight * l1_loss + settings.confidence_weight * bce_loss
+    metrics = {"ce": ce_loss.detach(), "l1": l1_loss.detach(), "confidence_bce": bce_loss.detach()}
+    return loss, metrics | {"accuracy": _accuracy(logits, labels, label_valid)}
+
+
+def _accuracy(logits, labels, valid):
+    return ((logits.argmax(-1) == labels) & valid).sum() / valid.sum().clamp(min=1)
+
+
+def gather_rows(rows, positions):
+    """rows [S, T, X], positions [S, N, c] -> [S, N, c, X] (positions are clamped into the sequence)."""
+    S, N, c = positions.shape
+    index = positions.clamp(0, rows.shape[1] - 1).reshape(S, N * c)
+    return torch.gather(rows, 1, index.unsqueeze(-1).expand(-1, -1, rows.shape[-1])).view(S, N, c, -1)
+
+
+def blocks_at(batch: Batch, anchor_positions, anchor_valid, num_slots: int, lm_head):
+    """Labels, the Markov head's previous tokens (teacher forcing: token[a + k - 1]) and the target's logits for the
+    label positions (its distribution at a + k - 1) of the blocks at `anchor_positions`."""
+    labels, label_valid = block_labels(batch.input_ids, batch.loss_mask, anchor_positions, anchor_valid, num_slots)
+    prev_positions = anchor_positions.unsqueeze(-1) + torch.arange(num_slots, device=labels.device)
+    prev_token_ids = gather_rows(batch.input_ids.unsqueeze(-1), prev_positions).squeeze(-1)
+    target_logits = None
+    if batch.target_probs_hidden is not None:
+        with torch.no_grad():
+            target_logits = lm_head(gather_rows(batch.target_probs_hidden, prev_positions))
+    return labels, label_valid, prev_token_ids, target_logits
+
+
+@dataclass
+class Transition:
+    """The draft-verify result for each anchor: accepted length, shifted anchor, carried rejected rows."""
+
+    accepted_len: torch.LongTensor  # [S, N]
+    shifted_anchor_positions: torch.LongTensor  # [S, N]
+    shifted_anchor_valid: torch.BoolTensor  # [S, N]
+    carried: tuple  # (features [S, N, c, F], position ids [S, N, c], mask [S, N, c])
+
+
+@torch.no_grad()
+def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded, anchor_positions, anchor_valid, chunk_size):
+    """Algorithm 2, steps 1-4: a detached greedy draft at every anchor, the frozen target verifies all branches in
+    parallel, accepted lengths m, rejected states, shifted anchors a' = a + m + 1.
+
+    m counts the leading drafts that the target's greedy verification accepts AND that agree with the recorded
+    response (identical for greedy-regenerated data), so that the recorded prefix through a' is what decoding would
+    have committed and the recorded continuation at a' is the right supervision.
+    """
+    module = drafter_module(drafter)
+    num_slots = module.config.block_size - 1
+    hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid)
+    anchor_ids = torch.gather(batch.input_ids, 1, anchor_positions)
+    drafts = module.greedy_drafts(lm_head(hidden).float(), anchor_ids)  # [S, N, c]
+
+    indices = module.feature_hidden_state_indices
+    verified = verify_branches(target, recorded, batch.input_ids, anchor_positions, drafts, indices, chunk_size)
+    labels, label_valid, _, _ = blocks_at(batch, anchor_positions, anchor_valid, num_slots, lm_head)
+    agrees_with_record = ((drafts == labels) & label_valid).long().cumprod(-1).sum(-1)
+    accepted_len = torch.minimum(verified.accepted_len, agrees_with_record)
+
+    branch_features = module.target_features(verified.hidden_states)  # [S, N, B, F]
+    branch_position_ids = anchor_positions.unsqueeze(-1) + torch.arange(num_slots + 1, device=drafts.device)
+    carried = module.rejected_rows(branch_features, branch_position_ids, accepted_len)
+
+    shifted = anchor_positions + accepted_len + 1
+    T = batch.input_ids.shape[1]
+    shifted_valid = anchor_valid & (shifted < T)
+    shifted = torch.where(shifted_valid, shifted, torch.zeros_like(shifted))
+    return Transition(accepted_len, shifted, shifted_valid, carried)
+
+
+def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: LossSettings, carryover: bool, chunk_size=64):
+    """Loss of one batch: baseline (blocks at random anchors) or carryover (draft-verify-draft, the loss of the second
+    pass at the shifted anchors with the rejected rows carried). Returns (loss, metrics)."""
+    module = drafter_module(drafter)
+    embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    input_ids, attention_mask, loss_mask = (batch_inputs[k] for k in ("input_ids", "attention_mask", "loss_mask"))
+    indices = list(module.feature_hidden_state_indices)
+    markov = module.config.markov_rank > 0
+    final_index = target.config.get_text_config().num_hidden_layers
+    recorded = target_pass(target, input_ids, attention_mask, indices + ([final_index] if markov else []), carryover)
+    batch = Batch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask * attention_mask,
+        features=module.target_features(recorded.hidden_states),
+        target_probs_hidden=recorded.hidden_states[final_index] if markov else None,
+    )
+    num_slots = module.config.block_size - 1
+    anchor_positions, anchor_valid = sample_anchors(batch.loss_mask, num_anchors)
+    metrics = {}
+    carried = None
+    if carryover:
+        transition = draft_verify(
+            drafter, target, embed_tokens, lm_head, batch, recorded, anchor_positions, anchor_valid, chunk_size
+        )
+        valid = anchor_valid.float()
+        metrics["first_draft_accepted"] = (transition.accepted_len * valid).sum() / valid.sum()
+        metrics["carried_rows"] = transition.carried[2].float().sum() / valid.sum()
+        anchor_positions, anchor_valid, carried = (
+            transition.shifted_anchor_positions,
+            transition.shifted_anchor_valid,
+            transition.carried,
+        )
+    hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid, carried)
+    labels, label_valid, prev_token_ids, target_logits = blocks_at(batch, anchor_positions, anchor_valid, num_slots, lm_head)
+    loss, loss_metrics = block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, target_logits, settings)
+    return loss, metrics | loss_metrics
+
+
+__all__ = [
+    "Batch",
+    "LossSettings",
+    "Transition",
+    "block_labels",
+    "block_losses",
+    "context_visibility",
+    "default_gamma",
+    "draft_verify",
+    "position_weights",
+    "sample_anchors",
+    "training_step_loss",
+]
