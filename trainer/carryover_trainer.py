@@ -79,6 +79,7 @@ class CarryoverTrainer(Trainer):
         drafter = self.accelerator.unwrap_model(self.model)
         drafter.check_target(target_model.config)
         config = drafter.config
+        config.carryover = self.carryover_args.carryover  # the checkpoint decodes the way it was trained by default
         self.loss_settings = LossSettings(
             gamma=self.carryover_args.loss_gamma or default_gamma(config.block_size),
             markov_ce_weight=self.carryover_args.markov_ce_weight,

@@ -1,99 +1,105 @@
 """Regenerate the drafter's training responses with the target itself (on-policy data).
 
-    python -m trainer.regenerate --output-dir data/smollm2-magpie --prompts magpie --num-prompts 2000 --dtype bfloat16
-    python -m trainer.regenerate --output-dir data/qwen3-ultrachat --target Qwen/Qwen3-4B \\
-        --prompts HuggingFaceH4/ultrachat_200k --split train_sft --num-prompts 50000 --max-new-tokens 2048
+    python -m trainer.regenerate --data_dir data/smollm2-magpie --prompts magpie --num_prompts 2000 --target_dtype bfloat16
+    python -m trainer.regenerate --data_dir data/qwen3-ultrachat --target Qwen/Qwen3-4B \\
+        --prompts HuggingFaceH4/ultrachat_200k --prompt_split train_sft --num_prompts 50000 --max_new_tokens 2048
 
 `--prompts` is a JSONL/Parquet/CSV file, a `save_to_disk` folder, a Hub dataset id, or `magpie` (prompts sampled
-from the target, kept in the output folder). Running the same command again resumes an interrupted run.
+from the target, kept in the data folder). Running the same command again resumes an interrupted run. The same
+arguments are accepted by `trainer/run.py`, which regenerates first and then trains.
 """
 
-import argparse
 import json
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from transformers import HfArgumentParser
 
 from trainer.data import load_prompts, regenerate, synthesize_prompts, write_atomic
-from trainer.targets import EMBEDDED_TARGET, load_target
+from trainer.targets import EMBEDDED_TARGET, TargetArguments, load_target
 
 
-def magpie_prompts(target, tokenizer, args) -> list:
+@dataclass
+class RegenerationArguments:
+    prompts: str | None = field(
+        default=None, metadata={"help": "JSONL/Parquet/CSV file, save_to_disk folder, Hub dataset id, or 'magpie'."}
+    )
+    data_dir: str = field(default="data/regenerated", metadata={"help": "Where the regenerated shards go (resumable)."})
+    prompt_split: str = field(default="train")
+    prompt_column: str | None = field(default=None, metadata={"help": "Prompt or chat-messages column (default: auto)."})
+    num_prompts: int | None = field(default=None, metadata={"help": "First N prompts (magpie: how many to make)."})
+    magpie_max_new_tokens: int = field(default=128, metadata={"help": "Length cap of a synthesised user turn."})
+    shard_size: int = field(default=256)
+    generation_batch_size: int = field(default=16)
+    max_new_tokens: int = field(default=1024, metadata={"help": "Cap on each regenerated response."})
+    max_total_length: int | None = field(default=None, metadata={"help": "Cap on prompt + response tokens."})
+    do_sample: bool = field(default=False, metadata={"help": "Sample the responses (default: greedy)."})
+    temperature: float = field(default=1.0)
+    top_p: float = field(default=1.0)
+    top_k: int = field(default=0)
+    generation_seed: int = field(default=0)
+    chat_template_kwargs: str = field(default="{}", metadata={"help": 'JSON, e.g. {"enable_thinking": false}'})
+
+
+def magpie_prompts(target, tokenizer, args: RegenerationArguments) -> list:
     """Synthesised once and kept next to the data: sampling is costly, and a resumed run must see the same list."""
-    path = Path(args.output_dir) / f"magpie-n{args.num_prompts}-seed{args.seed}.jsonl"
+    path = Path(args.data_dir) / f"magpie-n{args.num_prompts}-seed{args.generation_seed}.jsonl"
     if not path.exists():
         prompts = synthesize_prompts(
             target,
             tokenizer,
             args.num_prompts,
-            batch_size=args.batch_size,
+            batch_size=args.generation_batch_size,
             max_new_tokens=args.magpie_max_new_tokens,
-            seed=args.seed,
-            chat_template_kwargs=args.chat_template_kwargs,
+            seed=args.generation_seed,
+            chat_template_kwargs=json.loads(args.chat_template_kwargs),
         )
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, lambda p: p.write_text("".join(json.dumps({"prompt": x}) + "\n" for x in prompts)))
     return load_prompts(path)
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--target", default=None, help="local folder or Hub id (default: the embedded SmolLM2)")
-    parser.add_argument("--adapter", default=None, help="a PEFT adapter merged into the target")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--prompts", required=True, help="file, save_to_disk folder, Hub dataset id, or 'magpie'")
-    parser.add_argument("--split", default="train")
-    parser.add_argument("--column", default=None, help="prompt or chat-messages column (default: auto)")
-    parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts (magpie: how many to make)")
-    parser.add_argument("--magpie-max-new-tokens", type=int, default=128)
-    parser.add_argument("--shard-size", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=1024)
-    parser.add_argument("--max-length", type=int, default=None, help="cap on prompt + response tokens")
-    parser.add_argument("--do-sample", action="store_true", help="sample the responses (default: greedy)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--chat-template-kwargs", type=json.loads, default={}, help='e.g. {"enable_thinking": false}')
-    args = parser.parse_args(argv)
-    if args.prompts == "magpie" and not args.num_prompts:
-        parser.error("--prompts magpie needs --num-prompts")
-    return args
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    dtype = getattr(torch, args.dtype)
-    target, tokenizer = load_target(args.target, adapter=args.adapter, dtype=dtype, device=args.device)
+def regenerate_from_args(target, tokenizer, args: RegenerationArguments, target_name: str | None):
+    """Prompts -> the target's responses in `args.data_dir` (resuming whatever is there) -> the dataset."""
     if args.prompts == "magpie":
+        if not args.num_prompts:
+            raise ValueError("--prompts magpie needs --num_prompts")
         prompts = magpie_prompts(target, tokenizer, args)
     else:
-        prompts = load_prompts(args.prompts, split=args.split, column=args.column, limit=args.num_prompts)
-    data = regenerate(
+        prompts = load_prompts(args.prompts, split=args.prompt_split, column=args.prompt_column, limit=args.num_prompts)
+    return regenerate(
         target,
         tokenizer,
         prompts,
-        args.output_dir,
+        args.data_dir,
         shard_size=args.shard_size,
-        batch_size=args.batch_size,
+        batch_size=args.generation_batch_size,
         max_new_tokens=args.max_new_tokens,
-        max_length=args.max_length,
+        max_length=args.max_total_length,
         do_sample=args.do_sample,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        seed=args.seed,
-        chat_template_kwargs=args.chat_template_kwargs,
-        target_name=args.target or EMBEDDED_TARGET,
+        seed=args.generation_seed,
+        chat_template_kwargs=json.loads(args.chat_template_kwargs),
+        target_name=target_name or EMBEDDED_TARGET,
     )
+
+
+def main(argv=None):
+    parser = HfArgumentParser((TargetArguments, RegenerationArguments))
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        target_args, args = (parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file)(argv[0])
+    else:
+        target_args, args = parser.parse_args_into_dataclasses(argv)
+    if not args.prompts:
+        raise SystemExit("--prompts is required: a file, a save_to_disk folder, a Hub dataset id, or 'magpie'")
+    target, tokenizer = load_target(target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype)
+    data = regenerate_from_args(target, tokenizer, args, target_args.target)
     response_tokens = sum(sum(mask) for mask in data["loss_mask"])
-    print(
-        f"{len(data)} responses ({sum(data['finished'])} ended their turn), {response_tokens} response tokens "
-        f"-> {args.output_dir}"
-    )
+    print(f"{len(data)} responses ({sum(data['finished'])} ended their turn), {response_tokens} response tokens -> {args.data_dir}")
 
 
 if __name__ == "__main__":

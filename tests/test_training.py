@@ -1,0 +1,331 @@
+"""Training: the mask, labels and losses on hand-computed examples, train/serve parity with `generate`, learning,
+E_carry, resume, and bad input. Real tiny transformers targets, the real Trainer."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import greedy_dataset, make_drafter, make_target, train_drafter, trained_drafter
+from transformers import DynamicCache
+
+import modeling_carryover as mc
+from modeling_carryover.modeling_carryover import block_attention
+from trainer.objectives import (
+    Batch,
+    LossSettings,
+    block_labels,
+    block_losses,
+    context_visibility,
+    draft_verify,
+    drafter_hidden,
+    position_weights,
+    sample_anchors,
+)
+from trainer.verification import target_pass, verify_branches
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hand-computed pieces
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_context_visibility_is_strictly_before_the_anchor():
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 0]])  # one padding position
+    anchors = torch.tensor([[0, 2, 5]])
+    expected = torch.tensor(
+        [
+            [0, 0, 0, 0, 0, 0],  # anchor 0: no context row before it
+            [1, 1, 0, 0, 0, 0],  # anchor 2: rows 0, 1 (not its own row 2)
+            [1, 1, 1, 1, 1, 0],  # anchor 5: rows 0..4, padding excluded
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(context_visibility(attention_mask, anchors)[0], expected)
+
+
+def test_block_attention_equals_the_dense_training_mask():
+    """Who sees whom, against an independent dense attention over [context ; carried of all blocks ; all blocks]:
+    block b sees context rows < anchor_b, its own valid carried rows and its own block (bidirectionally)."""
+    torch.manual_seed(0)
+    S, N, H, K, B, D, T, R = 1, 3, 4, 2, 3, 8, 7, 2
+    query = torch.randn(S, N, H, B, D)
+    ctx_k, ctx_v = torch.randn(S, K, T, D), torch.randn(S, K, T, D)
+    own_k, own_v = torch.randn(S, N, K, R + B, D), torch.randn(S, N, K, R + B, D)
+    anchors = torch.tensor([[1, 3, 6]])
+    context_mask = context_visibility(torch.ones(S, T), anchors)
+    carried_mask = torch.tensor([[[True, True], [True, False], [False, False]]])
+    own_mask = torch.cat([carried_mask, torch.ones(S, N, B, dtype=torch.bool)], -1)
+    out, _ = block_attention(query, ctx_k, ctx_v, own_k, own_v, context_mask, own_mask, D**-0.5)
+
+    # dense reference: keys = [context (T) ; block 0 rows (R+B) ; block 1 rows ; block 2 rows]
+    keys = torch.cat([ctx_k[0]] + [own_k[0, n] for n in range(N)], dim=1)  # [K, T + N(R+B), D]
+    values = torch.cat([ctx_v[0]] + [own_v[0, n] for n in range(N)], dim=1)
+    dense = torch.zeros(N * B, T + N * (R + B), dtype=torch.bool)
+    for n, a in enumerate([1, 3, 6]):
+        rows = slice(n * B, (n + 1) * B)
+        dense[rows, :a] = True
+        start = T + n * (R + B)
+        dense[rows, start : start + R] = carried_mask[0, n]
+        dense[rows, start + R : start + R + B] = True
+    q = query[0].transpose(0, 1).reshape(H, N * B, D)  # [H, N*B, D]
+    k = keys.repeat_interleave(H // K, dim=0)
+    v = values.repeat_interleave(H // K, dim=0)
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)  # [H, N*B, D]
+    reference = reference.view(H, N, B, D).permute(1, 2, 0, 3).reshape(1, N, B, H * D)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_labels_and_position_weights_by_hand():
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0]])  # response = positions 2..5
+    anchors, valid = torch.tensor([[2, 4]]), torch.tensor([[True, True]])
+    labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, num_slots=3)
+    assert labels.tolist() == [[[13, 14, 15], [15, 16, 16]]]  # slot k -> token[a + k]; clamped past the end
+    assert label_valid.tolist() == [[[True, True, True], [True, False, False]]]  # 16 is outside the mask, 7 outside T
+    weights = position_weights(3, gamma=2.0)
+    torch.testing.assert_close(weights, torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)]))
+
+
+def test_anchor_sampling_respects_the_loss_mask():
+    torch.manual_seed(0)
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1]])
+    anchors, valid = sample_anchors(loss_mask, num_anchors=4)
+    for row, (a, v) in enumerate(zip(anchors.tolist(), valid.tolist())):
+        picked = [x for x, ok in zip(a, v) if ok]
+        assert picked == sorted(set(picked))
+        assert all(loss_mask[row, x] and loss_mask[row, x + 1] for x in picked)
+    assert valid.sum(-1).tolist() == [2, 4]  # the short response offers only anchors 2 and 3
+    with pytest.raises(ValueError, match="consecutive"):
+        sample_anchors(torch.tensor([[0, 1, 0, 1]]), num_anchors=4)
+
+
+class _TinyLMHead(torch.nn.Module):
+    """An LM head given by an explicit matrix (V=3, d=2), to compute losses by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]), requires_grad=False)
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+def test_dflash_loss_by_hand():
+    drafter = type("D", (), {"config": type("C", (), {"markov_rank": 0})()})()
+    hidden = torch.tensor([[[[2.0, 0.0], [0.0, 1.0]]]])  # [S=1, N=1, c=2, d=2] -> logits [2,0,0] and [0,1,0]
+    labels = torch.tensor([[[0, 2]]])
+    valid = torch.tensor([[[True, True]]])
+    loss, metrics = block_losses(drafter, _TinyLMHead(), hidden, labels, valid, None, None, LossSettings(gamma=1.0))
+    ce0 = -math.log(math.exp(2) / (math.exp(2) + 2))
+    ce1 = -math.log(1 / (math.e + 2))
+    w1 = math.exp(-1.0)
+    assert loss.item() == pytest.approx((ce0 + w1 * ce1) / (1 + w1), rel=1e-5)
+    assert metrics["accuracy"].item() == 0.5
+
+
+def test_markov_losses_by_hand():
+    target = make_target("llama", vocab_size=3, hidden_size=64)
+    drafter = make_drafter(target, markov_rank=2, mask_token_id=2)
+    with torch.no_grad():
+        drafter.markov_embed.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
+        drafter.markov_proj.weight.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]]))  # prev 0 -> +1 on token 1
+        drafter.confidence_head.weight.zero_()
+        drafter.confidence_head.bias.zero_()  # confidence 0.5 everywhere
+    lm_head = _TinyLMHead()
+    hidden = torch.zeros(1, 1, 1, 64)
+    hidden[..., 0] = 1.0  # logits from the tiny head use the first 2 dims: [1, 0, 0]
+    head = lambda h: lm_head(h[..., :2])  # noqa: E731
+    labels, valid, prev = torch.tensor([[[1]]]), torch.tensor([[[True]]]), torch.tensor([[[0]]])
+    target_logits = torch.tensor([[[[0.0, 0.0, 0.0]]]])  # uniform target distribution
+    loss, metrics = block_losses(drafter, head, hidden, labels, valid, prev, target_logits, LossSettings(gamma=1.0))
+    corrected = torch.tensor([1.0, 1.0, 0.0])  # [1,0,0] + W2(W1[0]) = [1,0,0] + [0,1,0]
+    p = corrected.softmax(-1)
+    ce = -p[1].log().item()
+    l1 = (p - 1 / 3).abs().sum().item()
+    c_star = min(max(1 - 0.5 * l1, 0), 1)
+    bce = -(c_star * math.log(0.5) + (1 - c_star) * math.log(0.5))
+    assert metrics["ce"].item() == pytest.approx(ce, rel=1e-5)
+    assert metrics["l1"].item() == pytest.approx(l1, rel=1e-5)
+    assert metrics["confidence_bce"].item() == pytest.approx(bce, rel=1e-5)
+    assert loss.item() == pytest.approx(0.1 * ce + 0.9 * l1 + 1.0 * bce, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Train/serve parity
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _batch_of(target, drafter, sequence, markov=False):
+    indices = drafter.feature_hidden_state_indices
+    recorded = target_pass(target, sequence, torch.ones_like(sequence), indices, use_cache=True)
+    batch = Batch(
+        input_ids=sequence,
+        attention_mask=torch.ones_like(sequence),
+        loss_mask=torch.ones_like(sequence),
+        features=drafter.target_features(recorded.hidden_states),
+        target_probs_hidden=None,
+    )
+    return batch, recorded
+
+
+@pytest.mark.parametrize("markov_rank", [0, 8])
+def test_training_logits_equal_decoding_logits(markov_rank):
+    """The training forward (all anchors of a response at once, context mask, padded carried rows) gives the logits
+    the decoding layout gives (drafter cache filled incrementally, one block, exact carried rows)."""
+    target, drafter, dataset = trained_drafter("llama", 4, markov_rank)
+    sequence = torch.tensor([dataset[3]["input_ids"]])
+    batch, recorded = _batch_of(target, drafter, sequence)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    anchors = torch.tensor([[9, 15, 30]])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    # carried rows for each anchor: a proposal verified at an earlier anchor, rejected after its first draft
+    previous = anchors - 2
+    drafts = torch.randint(0, target.config.vocab_size, (1, 3, 3))
+    drafts[..., 0] = sequence[0, previous + 1]  # the first draft is right, the next two are (most likely) wrong
+    branch = verify_branches(target, recorded, sequence, previous, drafts, drafter.feature_hidden_state_indices)
+    window = drafter.target_features(branch.hidden_states)
+    window_positions = previous.unsqueeze(-1) + torch.arange(4)
+    accepted = torch.ones_like(anchors)
+    carried = drafter.rejected_rows(window, window_positions, accepted)
+    assert carried[2].sum() == 6 and torch.equal(carried[1][..., 0], anchors)  # rejected rows start at the anchor
+
+    with torch.no_grad():
+        training = lm_head(drafter_hidden(drafter, embed, batch, anchors, valid, carried))  # [1, 3, c, V]
+        for n, a in enumerate(anchors[0].tolist()):
+            cache, half = DynamicCache(), a // 2
+            block_ids, block_positions = drafter.block_inputs(sequence[:, a], torch.tensor([a]))
+            block = (embed(block_ids)[:, None], block_positions[:, None])
+            # an earlier round committed the first half of the rows; this round commits the rest and reads the carried
+            drafter(*block, past_key_values=cache, context_features=batch.features[:, :half], context_position_ids=torch.arange(half)[None])
+            out = drafter(
+                *block,
+                past_key_values=cache,
+                context_features=batch.features[:, half:a],
+                context_position_ids=torch.arange(half, a)[None],
+                carried_features=carried[0][:, n : n + 1, :2],
+                carried_position_ids=carried[1][:, n : n + 1, :2],
+            )
+            decoding = lm_head(out.last_hidden_state[0, 0, 1:])
+            torch.testing.assert_close(training[0, n], decoding, atol=1e-4, rtol=1e-4)
+
+
+def test_parallel_verification_equals_what_generate_observes():
+    """For every round of a real carryover `generate`, the training-time parallel verification of that round's
+    proposal gives the accepted length generate used and the hidden states of the target's verification forward."""
+    target, drafter, dataset = trained_drafter("llama", 8, 0)
+    observed = []
+    hook = target.register_forward_hook(lambda module, args, kwargs_out: observed.append(kwargs_out.hidden_states))
+    try:
+        sequence = mc.generate(target, torch.tensor([dataset[2]["input_ids"][:6]]), assistant_model=drafter, max_new_tokens=60)
+    finally:
+        hook.remove()
+    rounds = drafter.generation_stats.rounds
+    assert any(0 < r.accepted < r.proposed for r in rounds)
+    recorded = target_pass(target, sequence, torch.ones_like(sequence), drafter.feature_hidden_state_indices, use_cache=True)
+    anchors = torch.tensor([[r.anchor_position for r in rounds if r.proposed == 7]])
+    drafts = torch.tensor([[r.drafts for r in rounds if r.proposed == 7]])
+    verified = verify_branches(target, recorded, sequence, anchors, drafts, drafter.feature_hidden_state_indices)
+    full = [r for r in rounds if r.proposed == 7]
+    assert verified.accepted_len[0].tolist() == [r.accepted for r in full]
+    # the target forward after the prefill verifies round 0, the next one round 1, ...
+    for i, r in enumerate(full):
+        states = observed[rounds.index(r) + 1]  # observed[0] is the prefill
+        for layer in drafter.feature_hidden_state_indices:
+            torch.testing.assert_close(verified.hidden_states[layer][0, i], states[layer][0], atol=1e-5, rtol=1e-5)
+
+
+def test_first_draft_of_training_equals_decoding_proposal():
+    """Algorithm 2's detached first draft at an anchor is the proposal carryover-OFF decoding makes there."""
+    target, drafter, dataset = trained_drafter("llama", 4, 8)
+    sequence = mc.generate(target, torch.tensor([dataset[5]["input_ids"][:6]]), assistant_model=drafter, max_new_tokens=40, carryover=False)
+    rounds = [r for r in drafter.generation_stats.rounds if r.proposed == 3]
+    batch, recorded = _batch_of(target, drafter, sequence)
+    anchors = torch.tensor([[r.anchor_position for r in rounds]])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    with torch.no_grad():
+        hidden = drafter_hidden(drafter, embed, batch, anchors, valid)
+        drafts = drafter.greedy_drafts(lm_head(hidden), sequence[0, anchors[0]][None])
+    assert drafts[0].tolist() == [r.drafts for r in rounds]
+    transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=2)
+    assert transition.accepted_len[0].tolist() == [r.accepted for r in rounds]
+    assert torch.equal(transition.shifted_anchor_positions, anchors + transition.accepted_len + 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Learning, E_carry, init from target
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def mean_tau(target, drafter, dataset, rows=range(8), carryover=None):
+    rounds = []
+    for row in dataset.select(rows):
+        mc.generate(target, torch.tensor([row["input_ids"][:6]]), assistant_model=drafter, max_new_tokens=40, carryover=carryover)
+        rounds += drafter.generation_stats.rounds
+    return mc.GenerationStats(rounds).acceptance_length
+
+
+def test_training_lowers_the_loss_and_raises_acceptance():
+    target = make_target("llama")
+    dataset = greedy_dataset(target)
+    drafter = make_drafter(target, block_size=4)
+    untrained = mean_tau(target, drafter, dataset)
+    trainer = train_drafter(target, drafter, dataset, epochs=8)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses[-1] < 0.6 * losses[0]
+    trained = mean_tau(target, drafter, dataset)
+    assert trained > untrained + 0.5, (untrained, trained)
+
+
+def test_carry_embedding_moves_and_is_used():
+    import copy
+
+    target = make_target("llama")
+    dataset = greedy_dataset(target)
+    baseline = make_drafter(target, block_size=8)
+    train_drafter(target, baseline, dataset, epochs=6)
+    assert baseline.carry_embedding.abs().max() == 0  # the baseline objective does not touch it
+    # carryover continues the baseline at a realistic drafter lr; E_carry with its own lr vs with the drafter's
+    same_lr = copy.deepcopy(baseline)
+    train_drafter(target, same_lr, dataset, carryover=True, epochs=3, lr=6e-4, carry_embedding_lr=None)
+    drafter = copy.deepcopy(baseline)
+    trainer = train_drafter(target, drafter, dataset, carryover=True, epochs=3, lr=6e-4)
+    assert drafter.config.carryover
+    logged = [e for e in trainer.state.log_history if "first_draft_accepted" in e]
+    assert logged and all(e["carried_rows"] > 0 for e in logged)
+    moved, moved_at_drafter_lr = drafter.carry_embedding.abs().max(), same_lr.carry_embedding.abs().max()
+    assert moved > 4 * moved_at_drafter_lr, (moved, moved_at_drafter_lr)
+    # ...and it is used: the same carried rows without the marker give other logits
+    batch, recorded = _batch_of(target, drafter, torch.tensor([dataset[0]["input_ids"]]))
+    anchors, valid = torch.tensor([[10, 20]]), torch.tensor([[True, True]])
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=8)
+    carried = (transition.carried[0], transition.carried[1], torch.ones_like(transition.carried[2]))
+    with torch.no_grad():
+        marked = drafter_hidden(drafter, embed, batch, transition.shifted_anchor_positions, valid, carried)
+        saved = drafter.carry_embedding.clone()
+        drafter.carry_embedding.zero_()
+        unmarked = drafter_hidden(drafter, embed, batch, transition.shifted_anchor_positions, valid, carried)
+        drafter.carry_embedding.copy_(saved)
+    assert (marked - unmarked).abs().max() > 1e-3
+
+
+def test_init_from_target_starts_lower():
+    from trainer.build import DrafterArguments, build_drafter
+    from trainer.objectives import training_step_loss
+
+    target = make_target("llama")
+    dataset = greedy_dataset(target, num_rows=8)
+    batch = {
+        "input_ids": torch.tensor([row["input_ids"] for row in dataset]),
+        "attention_mask": torch.ones(8, len(dataset[0]["input_ids"]), dtype=torch.long),
+        "loss_mask": torch.tensor([row["loss_mask"] for row in dataset]),
+    }
+    losses = {}
+    for init in (True, False):
+        torch.manual_seed(0)
+        drafter = build_drafter(target, DrafterArguments(num_draft_layers=2, block_size=4, init_from_target=init))
+        with torch.no_grad():
+            losses[init], _ = training_step_loss(drafter, target, batch, 16, LossSettings(gamma=4.0), carryover=False)
+    assert losses[True] < losses[False]

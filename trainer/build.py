@@ -1,0 +1,104 @@
+"""Building the drafter to train (new, from a checkpoint, or initialised from the target) and the training rows."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from datasets import Dataset, load_from_disk
+
+from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
+
+from .data import MANIFEST, load_regenerated
+
+
+@dataclass
+class DrafterArguments:
+    drafter_checkpoint: str | None = field(
+        default=None,
+        metadata={"help": "Continue from this drafter checkpoint (e.g. the baseline, for carryover training)."},
+    )
+    num_draft_layers: int = field(default=1, metadata={"help": "Decoder layers of a new drafter (the paper: 5)."})
+    block_size: int = field(default=16, metadata={"help": "Block size of a new drafter: block_size - 1 drafts."})
+    target_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "0-based target layers whose outputs are the features (default: DFlash's rule)."}
+    )
+    mask_token_id: int | None = field(default=None, metadata={"help": "Token whose embedding fills the MASK slots."})
+    intermediate_size: int | None = field(default=None, metadata={"help": "MLP width (default: the target's)."})
+    markov_rank: int = field(default=0, metadata={"help": "> 0: the DSpark-style Markov head of this rank."})
+    carryover_interface: str = field(default="embedding", metadata={"choices": ["embedding", "none", "projector"]})
+    init_from_target: bool = field(
+        default=True,
+        metadata={"help": "A new drafter starts from the target's last decoder layers, fc passing the last feature."},
+    )
+
+
+@torch.no_grad()
+def init_from_target(drafter: CarryoverDrafterModel, target) -> None:
+    """Start the drafter from the target's last `num_hidden_layers` decoder layers and final norm, with `fc` passing
+    the last feature layer through: far lower initial loss than a random start (anchors.md, section 7)."""
+    target_layers = target.get_decoder().layers
+    n = len(drafter.layers)
+    for layer, source in zip(drafter.layers, target_layers[-n:]):
+        source_state = source.state_dict()
+        state = layer.state_dict()
+        shared = {k: v for k, v in source_state.items() if k in state}
+        mismatched = [k for k, v in shared.items() if v.shape != state[k].shape]
+        if mismatched:
+            raise ValueError(f"init_from_target: the drafter's layer shapes differ from the target's ({mismatched[:3]}).")
+        layer.load_state_dict(shared, strict=False)  # Llama targets have no q_norm/k_norm: those stay at ones
+    drafter.norm.weight.copy_(target.get_decoder().norm.weight)
+    d = drafter.config.hidden_size
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, -d:] = torch.eye(d)
+
+
+def build_drafter(target, args: DrafterArguments) -> CarryoverDrafterModel:
+    """A drafter for `target`: loaded from `drafter_checkpoint` (float32 master weights) or new."""
+    if args.drafter_checkpoint:
+        drafter = CarryoverDrafterModel.from_pretrained(args.drafter_checkpoint, dtype=torch.float32)
+        drafter.check_target(target.config)
+        return drafter
+    overrides = {
+        "num_hidden_layers": args.num_draft_layers,
+        "block_size": args.block_size,
+        "markov_rank": args.markov_rank,
+        "carryover_interface": args.carryover_interface,
+    }
+    for name in ("target_layer_ids", "mask_token_id", "intermediate_size"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    drafter = CarryoverDrafterModel(CarryoverDrafterConfig.from_target_config(target.config, **overrides))
+    if args.init_from_target:
+        init_from_target(drafter, target)
+    return drafter
+
+
+def load_training_rows(path: str) -> Dataset:
+    """A regenerated folder (`python -m trainer.regenerate`) or a `save_to_disk` dataset with input_ids/loss_mask."""
+    if (Path(path) / MANIFEST).exists():
+        return load_regenerated(path)
+    return load_from_disk(path)
+
+
+def prepare_rows(dataset: Dataset, max_seq_length: int) -> Dataset:
+    """Check the columns, cut rows to `max_seq_length`, drop rows with fewer than two response tokens (no block can
+    be anchored there). Raises a ValueError saying what is wrong; nothing is written."""
+    missing = {"input_ids", "loss_mask"} - set(dataset.column_names)
+    if missing:
+        raise ValueError(
+            f"The training dataset lacks {sorted(missing)} (has {dataset.column_names}); regenerate it with "
+            "`python -m trainer.regenerate` or tokenize conversations with trainer.data.tokenize_conversations."
+        )
+    if len(dataset) == 0:
+        raise ValueError("The training dataset is empty.")
+    dataset = dataset.select_columns(["input_ids", "loss_mask"])
+    dataset = dataset.map(
+        lambda row: {"input_ids": row["input_ids"][:max_seq_length], "loss_mask": row["loss_mask"][:max_seq_length]}
+    )
+    usable = dataset.filter(lambda row: sum(row["loss_mask"]) >= 2)
+    if len(usable) == 0:
+        raise ValueError(
+            f"None of the {len(dataset)} rows has two response tokens within max_seq_length={max_seq_length}: "
+            "nothing to train on (responses shorter than a block anchor)."
+        )
+    return usable

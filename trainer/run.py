@@ -1,0 +1,93 @@
+"""Train a Carryover drafter: baseline, or draft-verify-draft carryover continuing a baseline.
+
+    # regenerate data with the (embedded) target, then train a baseline drafter
+    python trainer/run.py --prompts magpie --num_prompts 2000 --data_dir data/smollm2 \
+        --output_dir checkpoints/baseline --num_draft_layers 2 --block_size 8 --num_train_epochs 3
+    # continue it with carryover (fresh optimizer), and the fair control: the same steps without carryover
+    python trainer/run.py --dataset data/smollm2 --drafter_checkpoint checkpoints/baseline --carryover \
+        --output_dir checkpoints/carryover --num_train_epochs 1
+    python trainer/run.py --dataset data/smollm2 --drafter_checkpoint checkpoints/baseline \
+        --output_dir checkpoints/control --num_train_epochs 1
+    python trainer/run.py config.yaml                     # the same fields in a JSON or YAML file
+    torchrun --nproc_per_node 2 trainer/run.py ...        # DDP; `accelerate launch` works the same way
+
+Arguments: TargetArguments (target, PEFT adapter), DrafterArguments (architecture or checkpoint), DataArguments,
+RegenerationArguments (prompts to regenerate first), CarryoverArguments (objective) and transformers'
+TrainingArguments (output_dir, epochs, learning rate, resume_from_checkpoint, ...). Checkpoints hold the drafter only
+and load and decode like any drafter folder (remote code + custom_generate/).
+"""
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+if __package__ in (None, ""):  # `python trainer/run.py`: make the project importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from transformers import HfArgumentParser, TrainingArguments
+
+from trainer.build import DrafterArguments, build_drafter, load_training_rows, prepare_rows
+from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer
+from trainer.regenerate import RegenerationArguments, regenerate_from_args
+from trainer.targets import TargetArguments, load_target
+
+
+@dataclass
+class DataArguments:
+    dataset: str | None = field(
+        default=None,
+        metadata={"help": "Training rows: a regenerated folder or a save_to_disk dataset with input_ids and loss_mask."},
+    )
+    max_seq_length: int = field(default=2048, metadata={"help": "Rows are cut to this many tokens."})
+    eval_rows: int = field(default=0, metadata={"help": "Hold out this many rows for evaluation (eval_loss)."})
+
+
+ARGUMENT_CLASSES = (TargetArguments, DrafterArguments, DataArguments, RegenerationArguments, CarryoverArguments, TrainingArguments)
+
+
+def parse(argv=None):
+    parser = HfArgumentParser(ARGUMENT_CLASSES)
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        return (parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file)(os.path.abspath(argv[0]))
+    return parser.parse_args_into_dataclasses(argv)
+
+
+def main(argv=None):
+    target_args, drafter_args, data_args, regeneration_args, carryover_args, training_args = parse(argv)
+    if not (data_args.dataset or regeneration_args.prompts):
+        raise SystemExit("Give the training data: --dataset <folder>, or --prompts <source|magpie> to regenerate it.")
+    regenerating = not data_args.dataset
+    target, tokenizer = load_target(
+        target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype, tokenizer=regenerating
+    )
+
+    if regenerating:
+        rows = regenerate_from_args(target, tokenizer, regeneration_args, target_args.target)
+    else:
+        rows = load_training_rows(data_args.dataset)
+    rows = prepare_rows(rows, data_args.max_seq_length)
+    eval_rows = None
+    if data_args.eval_rows:
+        split = rows.train_test_split(test_size=data_args.eval_rows, seed=training_args.seed)
+        rows, eval_rows = split["train"], split["test"]
+
+    drafter = build_drafter(target, drafter_args)
+    trainer = CarryoverTrainer(
+        model=drafter,
+        args=training_args,
+        train_dataset=rows,
+        eval_dataset=eval_rows,
+        target_model=target,
+        carryover_args=carryover_args,
+    )
+    resume = training_args.resume_from_checkpoint
+    trainer.train(resume_from_checkpoint=True if resume in ("true", "latest") else resume)
+    trainer.save_model(training_args.output_dir)
+    if eval_rows is not None:
+        trainer.evaluate()
+    return trainer
+
+
+if __name__ == "__main__":
+    main()
