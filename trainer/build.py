@@ -4,11 +4,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from datasets import Dataset, load_from_disk
+from datasets import Dataset
 
 from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
 
-from .data import MANIFEST, load_regenerated
+from .data import MANIFEST, load_regenerated, load_rows
 
 
 @dataclass
@@ -74,10 +74,11 @@ def build_drafter(target, args: DrafterArguments) -> CarryoverDrafterModel:
 
 
 def load_training_rows(path: str) -> Dataset:
-    """A regenerated folder (`python -m trainer.regenerate`) or a `save_to_disk` dataset with input_ids/loss_mask."""
+    """A regenerated folder (`python -m trainer.regenerate`), or rows with input_ids/loss_mask in a `save_to_disk`
+    folder or a JSONL/Parquet/CSV file."""
     if (Path(path) / MANIFEST).exists():
         return load_regenerated(path)
-    return load_from_disk(path)
+    return load_rows(path)
 
 
 def prepare_rows(dataset: Dataset, max_seq_length: int) -> Dataset:

@@ -161,7 +161,9 @@ def _prompt_text(value, column: str) -> str:
     raise ValueError(f"Column {column!r} holds {type(value).__name__} values, neither text nor chat messages")
 
 
-def _load_dataset(source, split: str) -> Dataset:
+def load_rows(source, split: str = "train") -> Dataset:
+    """Rows from a JSONL/JSON/Parquet/CSV file (optionally compressed), a `save_to_disk` folder, a Hub dataset id,
+    or a Dataset/DatasetDict in memory; `split` picks the split of a DatasetDict or a Hub dataset."""
     path = Path(source) if isinstance(source, (str, os.PathLike)) else None
     if path is None:
         loaded = source  # already a Dataset or DatasetDict
@@ -200,7 +202,7 @@ def load_prompts(source, split: str = "train", column: str | None = None, limit:
     `column` holds plain prompts or chat messages (the first user turn is used); by default the first of
     PROMPT_COLUMNS present. Blank prompts are skipped; `limit` keeps the first `limit` prompts.
     """
-    dataset = _load_dataset(source, split)
+    dataset = load_rows(source, split)
     column = column or next((c for c in PROMPT_COLUMNS if c in dataset.column_names), None)
     _require_column(dataset, column, source)
     prompts = []

@@ -36,7 +36,7 @@ from trainer.targets import TargetArguments, load_target
 class DataArguments:
     dataset: str | None = field(
         default=None,
-        metadata={"help": "Training rows: a regenerated folder or a save_to_disk dataset with input_ids and loss_mask."},
+        metadata={"help": "Training rows: a regenerated folder, or input_ids/loss_mask rows (save_to_disk folder, JSONL, Parquet)."},
     )
     max_seq_length: int = field(default=2048, metadata={"help": "Rows are cut to this many tokens."})
     eval_rows: int = field(default=0, metadata={"help": "Hold out this many rows for evaluation (eval_loss)."})

@@ -1,0 +1,146 @@
+"""`python trainer/run.py` end to end: a real CLI run whose checkpoint decodes, exact resume after an interruption,
+a real 2-process torchrun (gloo) run, and clear errors on bad input."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO_ROOT, greedy_dataset, make_drafter, make_target
+from transformers import TrainerCallback, TrainingArguments
+
+import modeling_carryover as mc
+from trainer.carryover_trainer import TRAINING_SETTINGS_FILE, CarryoverArguments, CarryoverTrainer
+from trainer.run import main as run_main
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A tiny target folder and a dataset of its greedy responses on disk."""
+    root = tmp_path_factory.mktemp("run")
+    target = make_target("llama")
+    target.save_pretrained(root / "target")
+    greedy_dataset(target, num_rows=24).save_to_disk(str(root / "data"))
+    return root, target
+
+
+def cli_args(root, output_dir, *extra):
+    return [
+        "--target", str(root / "target"), "--dataset", str(root / "data"), "--output_dir", str(output_dir),
+        "--num_draft_layers", "2", "--block_size", "4", "--num_anchors", "16", "--per_device_train_batch_size", "4",
+        "--learning_rate", "3e-3", "--report_to", "none", "--use_cpu", "--seed", "0", "--logging_steps", "2",
+        "--disable_tqdm", "true", *extra,
+    ]
+
+
+def test_cli_trains_a_checkpoint_that_decodes(tiny_setup, tmp_path):
+    root, target = tiny_setup
+    out = tmp_path / "baseline"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "trainer/run.py", *cli_args(root, out, "--num_train_epochs", "2", "--save_strategy", "no")],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "modeling_carryover.py", "custom_generate", TRAINING_SETTINGS_FILE} <= files
+    drafter = mc.CarryoverDrafterModel.from_pretrained(out)
+    assert drafter.config.carryover is False  # a baseline checkpoint decodes without carryover by default
+    prompt = torch.randint(0, 96, (1, 6))
+    expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    out_ids = target.generate(prompt, assistant_model=drafter, custom_generate=str(out), trust_remote_code=True, max_new_tokens=20)
+    assert torch.equal(out_ids, expected)
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt  # an interruption right after the checkpoint of this step was written
+
+
+@pytest.mark.parametrize("carryover", [False, True])
+def test_resume_gives_the_same_weights(tiny_setup, tmp_path, carryover):
+    root, target = tiny_setup
+    from datasets import load_from_disk
+
+    dataset = load_from_disk(str(root / "data"))
+
+    def run(output_dir, stop_at=None, resume=None):
+        torch.manual_seed(0)
+        drafter = make_drafter(target, block_size=4)
+        args = TrainingArguments(
+            output_dir=str(output_dir), per_device_train_batch_size=4, max_steps=8, save_steps=3, learning_rate=3e-3,
+            report_to=[], use_cpu=True, seed=0, disable_tqdm=True, logging_steps=100,
+        )
+        trainer = CarryoverTrainer(
+            model=drafter, args=args, train_dataset=dataset, target_model=target,
+            carryover_args=CarryoverArguments(num_anchors=8, carryover=carryover),
+            callbacks=[StopAt(stop_at)] if stop_at else None,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return drafter
+
+    straight = run(tmp_path / "straight")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "interrupted", stop_at=5)
+    assert (tmp_path / "interrupted" / "checkpoint-3").exists()
+    resumed = run(tmp_path / "interrupted", resume=str(tmp_path / "interrupted" / "checkpoint-3"))
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    # the interrupted run's checkpoints are complete drafter folders
+    assert (tmp_path / "interrupted" / "checkpoint-3" / "custom_generate" / "generate.py").exists()
+
+
+def test_torchrun_two_processes_keep_identical_weights(tiny_setup, tmp_path):
+    root, _ = tiny_setup
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+        "tests/scripts/ddp_train.py", str(tmp_path),
+        *cli_args(root, tmp_path / "out", "--max_steps", "4", "--save_strategy", "no", "--carryover"),
+    ]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "world 2" in result.stdout
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    initial = make_drafter(make_target("llama"), block_size=4).state_dict()
+    changed = 0
+    for name, weight in rank0.items():
+        torch.testing.assert_close(weight, rank1[name], atol=0, rtol=0, msg=name)
+        changed += not torch.equal(weight, initial.get(name, weight))
+    assert changed > 0  # they trained, and stayed identical
+
+
+def test_bad_inputs_fail_before_writing_anything(tiny_setup, tmp_path):
+    root, target = tiny_setup
+    from datasets import Dataset
+
+    def fails(match, *extra, dataset=None):
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        args = cli_args(root, out, "--max_steps", "2", *extra)
+        if dataset is not None:
+            path = tmp_path / f"data{len(list(tmp_path.iterdir()))}"
+            dataset.save_to_disk(str(path))
+            args[args.index("--dataset") + 1] = str(path)
+        with pytest.raises(ValueError, match=match):
+            run_main(args)
+        assert not out.exists()
+
+    fails("lacks \\['loss_mask'\\]", dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
+    fails("two response tokens", dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 0, 1]]}))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "out_empty"
+    args = cli_args(root, out, "--max_steps", "2")
+    args[args.index("--dataset") + 1] = str(empty)
+    with pytest.raises(ValueError, match="no rows"):
+        run_main(args)
+    assert not out.exists()
+    other = tmp_path / "other_drafter"
+    make_drafter(make_target("llama", num_hidden_layers=2)).save_pretrained(other)
+    fails("does not fit the target", "--drafter_checkpoint", str(other))
+    fails("out of range", "--target_layer_ids", "0", "7")
