@@ -3,13 +3,14 @@
 import os
 import sys
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers/huggingface_hub read it: no network in tests
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

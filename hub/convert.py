@@ -1,0 +1,523 @@
+"""Checkpoint conversion: public DFlash-family drafters in, this project's drafter out, and back.
+
+    python hub/convert.py --source z-lab/Qwen3-8B-DFlash-b16 --output_dir qwen3-8b-carryover      # import
+    python hub/convert.py --source my-drafter --output_dir my-drafter-dflash --to dflash          # export
+    python hub/convert.py --source my-drafter --output_dir my-drafter-spec --to speculators --verifier Qwen/Qwen3-8B
+
+The formats, as read in their public code:
+
+- z-lab DFlash (github z-lab/dflash, dflash/model.py): config.json `"architectures": ["DFlashDraftModel"]`,
+  `model_type: qwen3` plus Qwen3 fields for the draft layers, `block_size` (top level; inside `dflash_config` in newer
+  checkpoints), `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}`; weights `layers.*`, `fc`,
+  `hidden_norm`, `norm`. Layer id l reads `hidden_states[l + 1]` and slot k of `[anchor, MASK...]` predicts
+  token[a + k]: both exactly as here, so an import is the same drafter.
+- DeepSpec DSpark (github deepseek-ai/DeepSpec, deepspec/modeling/dspark/): a Qwen3Config with top-level
+  `target_layer_ids` (-1 = the embedding output), `mask_token_id`, `block_size`, `num_target_layers`, `markov_rank`,
+  `markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov`; weights as z-lab's plus frozen copies of
+  the target's `embed_tokens`/`lm_head`, `markov_head.markov_w1` (Embedding V x r), `markov_head.markov_w2`
+  (Linear r -> V) and `confidence_head.proj` (Linear over [h ; W1[x]]). Its anchor slot is the first prediction
+  (slot k predicts token[a + k + 1]), one slot off from ours. DeepSpec's "DFlash" checkpoints are the same class
+  with `markov_rank: 0`.
+- vLLM speculators (github vllm-project/speculators, src/speculators/models/dflash|dspark, convert/dflash):
+  `speculators_model_type: dflash|dspark`, `transformer_layer_config` (the draft layers' Qwen3 config),
+  `aux_hidden_state_layer_ids` = z-lab id + 1 (id k = the state after k layers; vLLM's `update_dflash` maps back
+  with - 1), `mask_token_id`, `block_size`, `draft_vocab_size`, `sample_from_anchor` (False: z-lab's layout),
+  `speculators_config: {algorithm, proposal_methods: [{proposal_type, speculative_tokens}], default_proposal_method,
+  verifier: {name_or_path, architectures}}`; dspark adds the Markov and confidence heads under DeepSpec's names.
+"""
+
+import json
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import HfArgumentParser, PretrainedConfig, Qwen3Config
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
+
+FORMATS = {
+    "carryover": 'this project\'s (config.json "model_type": "carryover_drafter")',
+    "dflash": 'z-lab DFlash (config.json "architectures": ["DFlashDraftModel"] with a "dflash_config")',
+    "dspark": 'DeepSpec DSpark/DFlash (config.json "architectures": ["Qwen3DSparkModel"])',
+    "speculators": 'vLLM speculators (config.json "speculators_model_type": "dflash" or "dspark")',
+}
+# Frozen copies of the target's embedding and LM head (and speculators' verifier parts): this drafter uses the target's.
+TARGET_COPIES = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+# DeepSpec / speculators name -> ours. Same tensors: W1 [V, r], W2 [V, r], confidence [1, d + r] over [h ; W1[x]].
+MARKOV_KEYS = {
+    "markov_head.markov_w1.weight": "markov_embed.weight",
+    "markov_head.markov_w2.weight": "markov_proj.weight",
+    "confidence_head.proj.weight": "confidence_head.weight",
+    "confidence_head.proj.bias": "confidence_head.bias",
+}
+CONFIDENCE_KEYS = {"confidence_head.weight", "confidence_head.bias"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading checkpoints
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def resolve_checkpoint(path_or_repo_id: str, revision: str | None = None) -> Path:
+    """A local folder as is; anything else is a Hub repo id, downloaded (needs a network)."""
+    folder = Path(path_or_repo_id)
+    if folder.is_dir():
+        return folder
+    if folder.exists() or path_or_repo_id.startswith((".", "/", "~")):
+        raise ValueError(f"{path_or_repo_id} is not a checkpoint folder.")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.py"]
+    return Path(snapshot_download(path_or_repo_id, revision=revision, allow_patterns=patterns))
+
+
+def read_config(folder: Path) -> dict:
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"{folder} has no config.json; expected a drafter checkpoint in one of the formats: {_expected()}."
+        )
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file} is not valid JSON ({error}).") from error
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} has no *.safetensors weights.")
+    weights = {}
+    for file in files:  # sharded checkpoints: the union of the shards
+        try:
+            weights.update(load_file(file))
+        except SafetensorError as error:
+            raise ValueError(f"{file} is not a readable safetensors file ({error}).") from error
+    return weights
+
+
+def checkpoint_format(config: dict) -> str:
+    """Which of `FORMATS` a config.json belongs to; a clear error for anything else."""
+    architectures = config.get("architectures") or []
+    if config.get("model_type") == CarryoverDrafterConfig.model_type:
+        return "carryover"
+    if "speculators_model_type" in config:
+        return "speculators"
+    if "dflash_config" in config:
+        return "dflash"
+    if "Qwen3DSparkModel" in architectures:
+        return "dspark"
+    if any(name.endswith("DSparkModel") for name in architectures):
+        raise ValueError(f"{architectures[0]} is not supported: only Qwen3-style DSpark layers (Qwen3DSparkModel) map.")
+    raise ValueError(
+        f"Unrecognised drafter checkpoint (model_type={config.get('model_type')!r}, architectures={architectures}); "
+        f"expected one of the formats: {_expected()}."
+    )
+
+
+def _expected() -> str:
+    return "; ".join(FORMATS.values())
+
+
+def _required(config: dict, key: str, source: str):
+    if config.get(key) is None:
+        raise ValueError(f"The {source} config.json lacks {key!r}.")
+    return config[key]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Import
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def import_drafter(path_or_repo_id: str, revision: str | None = None, init_only: bool = False) -> CarryoverDrafterModel:
+    """Load a drafter checkpoint in any of `FORMATS` as this project's drafter.
+
+    Foreign drafters come in with `carryover=False` and E_carry zero, so they decode exactly as the original and
+    carryover training can continue from them. `init_only=True` also accepts DSpark's block layout (see
+    `check_block_layout`) as an initialisation for training.
+    """
+    folder = resolve_checkpoint(path_or_repo_id, revision)
+    config = read_config(folder)
+    kind = checkpoint_format(config)
+    if kind == "carryover":
+        return CarryoverDrafterModel.from_pretrained(folder)
+    weights = read_weights(folder)
+    if kind == "dflash":
+        return from_dflash(config, weights)
+    if kind == "dspark":
+        return from_dspark(config, weights, init_only)
+    return from_speculators(config, weights, init_only)
+
+
+def from_dflash(config: dict, weights: dict[str, torch.Tensor]) -> CarryoverDrafterModel:
+    """z-lab DFlash -> the same drafter here (carryover off)."""
+    dflash = config["dflash_config"]
+    drafter_config = drafter_config_from_layers(
+        config,
+        # z-lab's own default when the ids are absent is the rule `default_target_layer_ids` implements
+        target_layer_ids=dflash.get("target_layer_ids"),
+        num_target_layers=_required(config, "num_target_layers", "z-lab DFlash"),
+        block_size=config.get("block_size") or _required(dflash, "block_size", "z-lab DFlash"),
+        mask_token_id=_required(dflash, "mask_token_id", "z-lab DFlash dflash_config"),
+    )
+    return build_drafter(drafter_config, weights, "z-lab DFlash")
+
+
+def from_dspark(config: dict, weights: dict[str, torch.Tensor], init_only: bool = False) -> CarryoverDrafterModel:
+    """DeepSpec Qwen3DSparkModel -> ours: the backbone, W1/W2 and the confidence head map one to one; the block layout
+    does not (see `check_block_layout`)."""
+    source = "DeepSpec Qwen3DSparkModel"
+    target_layer_ids = _required(config, "target_layer_ids", source)
+    if -1 in target_layer_ids:
+        raise ValueError(
+            f"{source} target_layer_ids {target_layer_ids} use -1 (the embedding output); this drafter's features are "
+            "decoder-layer outputs only."
+        )
+    rank = int(config.get("markov_rank", 0))
+    if rank:
+        check_markov_head_type(config.get("markov_head_type", "vanilla"), source)
+    check_block_layout(sample_from_anchor=True, source=source, init_only=init_only)
+    drafter_config = drafter_config_from_layers(
+        config,
+        target_layer_ids=target_layer_ids,
+        num_target_layers=_required(config, "num_target_layers", source),
+        block_size=_required(config, "block_size", source),
+        mask_token_id=_required(config, "mask_token_id", source),
+        markov_rank=rank,
+    )
+    weights = markov_weights(weights, drafter_config, bool(config.get("confidence_head_with_markov")), source)
+    return build_drafter(drafter_config, weights, source)
+
+
+def from_speculators(config: dict, weights: dict[str, torch.Tensor], init_only: bool = False) -> CarryoverDrafterModel:
+    """speculators dflash/dspark -> ours. Unsupported: pruned draft vocabularies, a target hidden size different from
+    the drafter's, gated/rnn Markov heads, and (without `init_only`) `sample_from_anchor=True`."""
+    kind = config["speculators_model_type"]
+    source = f"speculators {kind}"
+    if kind not in ("dflash", "dspark"):
+        raise ValueError(f"speculators_model_type {kind!r} is not a DFlash-family drafter: expected dflash or dspark.")
+    layers = _required(config, "transformer_layer_config", source)
+    vocab_size, hidden_size = layers["vocab_size"], layers["hidden_size"]
+    if config.get("draft_vocab_size", vocab_size) != vocab_size or "d2t" in weights:
+        raise ValueError(
+            f"{source} has a pruned draft vocabulary (draft_vocab_size={config.get('draft_vocab_size')} of "
+            f"{vocab_size}, t2d/d2t maps): not supported, this drafter scores the target's full vocabulary."
+        )
+    if config.get("target_hidden_size") not in (None, hidden_size):
+        raise ValueError(f"{source} has target_hidden_size {config['target_hidden_size']} != hidden_size {hidden_size}")
+    aux_ids = _required(config, "aux_hidden_state_layer_ids", source)
+    if min(aux_ids) < 1:
+        raise ValueError(f"{source} aux_hidden_state_layer_ids {aux_ids} include 0 (the embedding output).")
+    # Absent fields take the speculators defaults (DSparkSpeculatorConfig: DeepSpec's layout, rank 256, confidence on).
+    rank = int(config.get("markov_rank", 256)) if kind == "dspark" else 0
+    if rank:
+        check_markov_head_type(config.get("markov_head_type", "vanilla"), source)
+    check_block_layout(config.get("sample_from_anchor", kind == "dspark"), source, init_only)
+    drafter_config = drafter_config_from_layers(
+        layers,
+        target_layer_ids=[i - 1 for i in aux_ids],  # speculators id k = the state after k layers = our id k - 1
+        num_target_layers=config.get("num_target_layers") or verifier_num_layers(config),
+        block_size=_required(config, "block_size", source),
+        mask_token_id=_required(config, "mask_token_id", source),
+        markov_rank=rank,
+    )
+    weights = markov_weights(weights, drafter_config, config.get("confidence_head_with_markov", True), source)
+    return build_drafter(drafter_config, weights, source)
+
+
+def check_block_layout(sample_from_anchor: bool, source: str, init_only: bool) -> None:
+    """DSpark's layout (the anchor slot is the first prediction: slot k predicts token[a+k+1]) differs from ours and
+    z-lab's (slot k predicts token[a+k], slot 0 none). The backbone computes the same hidden states at the same
+    positions; only the readout is one slot apart, so the weights are a starting point, not the same drafter."""
+    if not sample_from_anchor:
+        return
+    message = (
+        f"{source} uses the DSpark block layout: the anchor slot is the first prediction (slot k predicts "
+        "token[a+k+1]), while this drafter reads slot k as token[a+k] and slot 0 as nothing."
+    )
+    if not init_only:
+        raise ValueError(
+            message + " Imported as is it would propose different tokens. Pass init_only=True (--init_only) to import "
+            "the weights anyway as an initialisation for training (same block_size and positions, readout one slot on)."
+        )
+    warnings.warn(message + " Imported as an initialisation only: train it before drafting with it.", stacklevel=3)
+
+
+def check_markov_head_type(head_type: str, source: str) -> None:
+    if head_type != "vanilla":
+        raise ValueError(
+            f"{source} has a {head_type!r} Markov head: not supported; only the first-order 'vanilla' head "
+            "(W2(W1[x_prev])) maps onto this drafter's."
+        )
+
+
+def verifier_num_layers(config: dict) -> int:
+    """speculators configs do not record the target's depth: read it from the verifier's config.json."""
+    verifier = config["speculators_config"]["verifier"]["name_or_path"]
+    try:
+        verifier_config, _ = PretrainedConfig.get_config_dict(verifier)
+    except OSError as error:
+        raise ValueError(
+            f"The speculators config does not record num_target_layers and the verifier {verifier!r} could not be "
+            f"read to find it ({error})."
+        ) from error
+    return verifier_config.get("text_config", verifier_config)["num_hidden_layers"]
+
+
+def drafter_config_from_layers(layers: dict, *, markov_rank: int = 0, **dflash_fields) -> CarryoverDrafterConfig:
+    """Our config from the draft layers' Qwen3 fields; `dflash_fields`: target_layer_ids, num_target_layers,
+    block_size, mask_token_id. Qwen3Config normalises legacy `rope_theta`/`rope_scaling` into `rope_parameters`."""
+    qwen3 = Qwen3Config.from_dict(layers)
+    if any(kind != "full_attention" for kind in qwen3.layer_types):
+        raise ValueError(
+            f"Sliding-window drafter layers (layer_types={qwen3.layer_types}) are not supported: every layer of this "
+            "drafter attends to the whole context."
+        )
+    return CarryoverDrafterConfig(
+        vocab_size=qwen3.vocab_size,
+        hidden_size=qwen3.hidden_size,
+        intermediate_size=qwen3.intermediate_size,
+        num_hidden_layers=qwen3.num_hidden_layers,
+        num_attention_heads=qwen3.num_attention_heads,
+        num_key_value_heads=qwen3.num_key_value_heads,
+        head_dim=qwen3.head_dim,
+        hidden_act=qwen3.hidden_act,
+        rms_norm_eps=qwen3.rms_norm_eps,
+        attention_bias=qwen3.attention_bias,
+        max_position_embeddings=qwen3.max_position_embeddings,
+        rope_parameters=dict(qwen3.rope_parameters),
+        carryover=False,
+        markov_rank=markov_rank,
+        **dflash_fields,
+    )
+
+
+def markov_weights(weights: dict, config: CarryoverDrafterConfig, confidence_with_markov: bool, source: str) -> dict:
+    """DeepSpec/speculators weights under our names, without the target copies. A confidence head that reads h_k only
+    gets zero columns for W1[x] (the same function); one without a Markov head here has no place and is dropped."""
+    ours = {MARKOV_KEYS.get(key, key): tensor for key, tensor in weights.items() if key not in TARGET_COPIES}
+    if "confidence_head.weight" not in ours:
+        return ours
+    if not config.markov_rank:
+        warnings.warn(f"{source}: dropped the confidence head (ours exists only with a Markov head).", stacklevel=3)
+        return {key: tensor for key, tensor in ours.items() if key not in CONFIDENCE_KEYS}
+    if not confidence_with_markov:
+        weight = ours["confidence_head.weight"]  # [1, d]
+        ours["confidence_head.weight"] = torch.cat([weight, weight.new_zeros(1, config.markov_rank)], dim=-1)
+    return ours
+
+
+def build_drafter(config: CarryoverDrafterConfig, weights: dict[str, torch.Tensor], source: str):
+    """Our drafter holding `weights` (our names) in their dtype; E_carry stays zero. Missing, unexpected or misshapen
+    tensors are a clear error: the checkpoint does not match its own config."""
+    model = CarryoverDrafterModel(config)
+    expected = model.state_dict()
+    optional = {"carry_embedding"} | (CONFIDENCE_KEYS if config.markov_rank else set())
+    missing = sorted(set(expected) - set(weights) - optional)
+    unexpected = sorted(set(weights) - set(expected))
+    misshapen = [
+        f"{key} {tuple(tensor.shape)} != {tuple(expected[key].shape)}"
+        for key, tensor in weights.items()
+        if key in expected and tensor.shape != expected[key].shape
+    ]
+    if missing or unexpected or misshapen:
+        raise ValueError(
+            f"The {source} weights do not match the architecture in its config.json: missing {missing}, "
+            f"unexpected {unexpected}, wrong shapes {misshapen}."
+        )
+    if config.markov_rank and "confidence_head.weight" not in weights:
+        warnings.warn(
+            f"{source} has no confidence head: ours keeps its initialisation (unused to draft).", stacklevel=3
+        )
+    model.load_state_dict(weights, strict=False)
+    return model.to(weights["fc.weight"].dtype).eval()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Export
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def export_dflash(drafter: CarryoverDrafterModel, output_dir: str | Path) -> Path:
+    """Write the z-lab DFlash format (vLLM / SGLang method "dflash"). Carryover and the Markov head have no place in
+    it. z-lab's `dflash.py` (named by `auto_map`) is not bundled: add it to load the folder with transformers."""
+    config = drafter.config
+    state = exported_state(drafter, "The z-lab DFlash format", keep_markov=False)
+    dflash_config = {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        **qwen3_layer_config(config),
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)},
+    }
+    return write_checkpoint(output_dir, dflash_config, state)
+
+
+def export_speculators(drafter: CarryoverDrafterModel, output_dir: str | Path, verifier: str) -> Path:
+    """Write the speculators format: `dflash`, or `dspark` with `sample_from_anchor: false` when there is a Markov
+    head. Carryover has no place in it. `verifier`: the target's Hub id (or path), recorded for loaders."""
+    config = drafter.config
+    markov = config.markov_rank > 0
+    state = exported_state(drafter, "The speculators format", keep_markov=True)
+    last_layer = config.num_target_layers - 1
+    if last_layer in config.target_layer_ids:
+        warnings.warn(
+            f"target layer {last_layer} is the target's last layer: vLLM captures auxiliary states before a layer, so "
+            f"aux id {last_layer + 1} is never captured there (speculators' own converter drops it).",
+            stacklevel=2,
+        )
+    speculators_config = {
+        "architectures": ["DSparkSpeculator" if markov else "DFlashSpeculator"],
+        "speculators_model_type": "dspark" if markov else "dflash",
+        "transformer_layer_config": qwen3_layer_config(config),
+        "draft_vocab_size": config.vocab_size,
+        "block_size": config.block_size,
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "mask_token_id": config.mask_token_id,
+        "sample_from_anchor": False,  # z-lab's layout: the anchor slot predicts nothing, B - 1 drafts
+        "sliding_window_non_causal": False,
+        # Not a speculators field (extra fields are allowed): lets an import check the layer ids offline.
+        "num_target_layers": config.num_target_layers,
+        "speculators_config": {
+            "algorithm": "dspark" if markov else "dflash",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": config.block_size - 1,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": verifier_architectures(config)},
+        },
+    }
+    if markov:
+        speculators_config |= {
+            "markov_rank": config.markov_rank,
+            "markov_head_type": "vanilla",
+            "enable_confidence_head": True,
+            "confidence_head_with_markov": True,
+        }
+        theirs = {ours: name for name, ours in MARKOV_KEYS.items()}
+        state = {theirs.get(key, key): tensor for key, tensor in state.items()}
+    return write_checkpoint(output_dir, speculators_config, state)
+
+
+def qwen3_layer_config(config: CarryoverDrafterConfig) -> dict:
+    """The draft layers as a Qwen3 config (z-lab's config.json body; speculators' transformer_layer_config)."""
+    rope = dict(config.rope_parameters)
+    layer_config = {
+        "model_type": "qwen3",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "attention_bias": config.attention_bias,
+        "attention_dropout": 0.0,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_parameters": rope,
+        "rope_theta": rope["rope_theta"],  # readers on transformers 4.x take RoPE from rope_theta / rope_scaling
+        "layer_types": ["full_attention"] * config.num_hidden_layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    }
+    if rope.get("rope_type", "default") != "default":
+        layer_config["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"}
+    return layer_config
+
+
+def exported_state(drafter: CarryoverDrafterModel, format_name: str, keep_markov: bool) -> dict[str, torch.Tensor]:
+    """The drafter's tensors that `format_name` has a place for; warns about what is dropped."""
+    state = {key: tensor.detach().contiguous() for key, tensor in drafter.state_dict().items()}
+    carry = [key for key in state if key.startswith(("carry_embedding", "carry_proj"))]
+    markov = [key for key in state if key.startswith(("markov_", "confidence_head"))]
+    dropped = []
+    if drafter.config.carryover or any(state[key].any() for key in carry):
+        dropped.append(f"the carryover part ({', '.join(carry) or 'recycled rejected rows'})")
+    if markov and not keep_markov:
+        dropped.append(f"the Markov head ({', '.join(markov)})")
+    if dropped:
+        warnings.warn(
+            f"{format_name} has no place for {' and '.join(dropped)}: dropped. The export drafts as this drafter does "
+            f"with carryover=False{'' if keep_markov or not markov else ' and without its Markov correction'}.",
+            stacklevel=3,
+        )
+    return {key: tensor for key, tensor in state.items() if key not in carry and (keep_markov or key not in markov)}
+
+
+def verifier_architectures(config: CarryoverDrafterConfig) -> list[str]:
+    """The target's causal-LM class for the recorded `target_model_type` (e.g. qwen3 -> Qwen3ForCausalLM), without
+    fetching anything; speculators keeps it as information only."""
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.target_model_type)
+    return [name] if name else []
+
+
+def write_checkpoint(output_dir: str | Path, config: dict, state: dict[str, torch.Tensor]) -> Path:
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(state, output_dir / "model.safetensors", metadata={"format": "pt"})
+    return output_dir
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ConvertArguments:
+    source: str = field(metadata={"help": "Drafter checkpoint (local folder or Hub repo id) in any supported format."})
+    output_dir: str = field(metadata={"help": "Where to write the converted checkpoint."})
+    to: Literal["carryover", "dflash", "speculators"] = field(
+        default="carryover",
+        metadata={"help": "Output format: this project's (carryover), z-lab's (dflash) or vLLM speculators'."},
+    )
+    verifier: str | None = field(
+        default=None, metadata={"help": "--to speculators: the target model's Hub id, recorded as the verifier."}
+    )
+    revision: str | None = field(default=None, metadata={"help": "Hub revision of --source."})
+    init_only: bool = field(
+        default=False,
+        metadata={"help": "Accept DSpark's block layout (anchor slot = first prediction) to initialise training."},
+    )
+
+
+def convert(args: ConvertArguments) -> Path:
+    if args.to == "speculators" and not args.verifier:
+        raise ValueError("--to speculators needs --verifier (the target model's Hub id).")
+    drafter = import_drafter(args.source, revision=args.revision, init_only=args.init_only)
+    if args.to == "dflash":
+        return export_dflash(drafter, args.output_dir)
+    if args.to == "speculators":
+        return export_speculators(drafter, args.output_dir, args.verifier)
+    drafter.save_pretrained(args.output_dir)
+    return Path(args.output_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    (args,) = HfArgumentParser(ConvertArguments).parse_args_into_dataclasses(args=argv)
+    try:
+        output_dir = convert(args)
+    except (ValueError, OSError) as error:
+        sys.exit(f"convert: {error}")
+    print(f"Wrote a {args.to} checkpoint to {output_dir}")
+
+
+if __name__ == "__main__":
+    main()
