@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from .verification import target_pass, verify_branches
 
@@ -191,13 +192,15 @@ def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded,
     """
     module = drafter_module(drafter)
     num_slots = module.config.block_size - 1
-    hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid)
-    anchor_ids = torch.gather(batch.input_ids, 1, anchor_positions)
-    drafts = module.greedy_drafts(lm_head(hidden).float(), anchor_ids)  # [S, N, c]
+    with record_function("carryover.first_draft"):
+        hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid)
+        anchor_ids = torch.gather(batch.input_ids, 1, anchor_positions)
+        drafts = module.greedy_drafts(lm_head(hidden).float(), anchor_ids)  # [S, N, c]
 
     indices = module.feature_hidden_state_indices
-    verified = verify_branches(target, recorded, batch.input_ids, anchor_positions, drafts, indices, chunk_size)
-    labels, label_valid, _, _ = blocks_at(batch, anchor_positions, anchor_valid, num_slots, lm_head)
+    with record_function("carryover.verify"):
+        verified = verify_branches(target, recorded, batch.input_ids, anchor_positions, drafts, indices, chunk_size)
+    labels, label_valid = block_labels(batch.input_ids, batch.loss_mask, anchor_positions, anchor_valid, num_slots)
     agrees_with_record = ((drafts == labels) & label_valid).long().cumprod(-1).sum(-1)
     accepted_len = torch.minimum(verified.accepted_len, agrees_with_record)
 
@@ -221,7 +224,8 @@ def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: Los
     indices = list(module.feature_hidden_state_indices)
     markov = module.config.markov_rank > 0
     final_index = target.config.get_text_config().num_hidden_layers
-    recorded = target_pass(target, input_ids, attention_mask, indices + ([final_index] if markov else []), carryover)
+    with record_function("carryover.target_pass"):
+        recorded = target_pass(target, input_ids, attention_mask, indices + ([final_index] if markov else []), carryover)
     batch = Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -245,9 +249,10 @@ def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: Los
             transition.shifted_anchor_valid,
             transition.carried,
         )
-    hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid, carried)
-    labels, label_valid, prev_token_ids, target_logits = blocks_at(batch, anchor_positions, anchor_valid, num_slots, lm_head)
-    loss, loss_metrics = block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, target_logits, settings)
+    with record_function("carryover.drafter_loss"):  # the baseline pass, or carryover's second pass
+        hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid, carried)
+        labels, label_valid, prev_token_ids, target_logits = blocks_at(batch, anchor_positions, anchor_valid, num_slots, lm_head)
+        loss, loss_metrics = block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, target_logits, settings)
     return loss, metrics | loss_metrics
 
 

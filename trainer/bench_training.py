@@ -1,0 +1,155 @@
+"""Training benchmark: throughput and peak memory of baseline and carryover steps, side by side in one run, and how
+a carryover step's time splits into the target pass, the detached first draft, the parallel verification, and the
+drafter's second pass (forward + loss) and backward.
+
+    python trainer/bench_training.py --dataset data/smollm2-magpie --steps 4 --batch_size 2 --num_anchors 64
+    python trainer/bench_training.py --steps 4      # synthetic rows of random tokens if no dataset is given
+
+A benchmark, not a test: the numbers are machine- and load-dependent; compare ratios measured in the same run.
+"""
+
+import json
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's own start/stop chatter
+
+import psutil
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import HfArgumentParser
+
+from trainer.build import DrafterArguments, build_drafter, load_training_rows, prepare_rows
+from trainer.carryover_trainer import pad_collator
+from trainer.objectives import LossSettings, default_gamma, training_step_loss
+from trainer.targets import load_target
+
+PHASES = ("carryover.target_pass", "carryover.first_draft", "carryover.verify", "carryover.drafter_loss")
+
+
+@dataclass
+class BenchArguments:
+    target: str | None = field(default=None, metadata={"help": "Default: the embedded SmolLM2-135M-Instruct."})
+    dataset: str | None = field(default=None, metadata={"help": "Training rows; default: synthetic random tokens."})
+    steps: int = field(default=4)
+    batch_size: int = field(default=2)
+    num_anchors: int = field(default=64)
+    max_seq_length: int = field(default=512)
+    verify_chunk_size: int = field(default=64)
+    output: str = field(default="outputs/bench_training.json")
+
+
+class PeakMemory:
+    """Peak memory above the starting point: CUDA allocator peak, or the process RSS sampled every 5 ms on CPU."""
+
+    def __init__(self, device):
+        self.device, self.peak, self._stop = device, 0, threading.Event()
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+        else:
+            process = psutil.Process()
+            self.start = process.memory_info().rss
+            self.thread = threading.Thread(target=self._sample, args=(process,), daemon=True)
+            self.thread.start()
+        return self
+
+    def _sample(self, process):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, process.memory_info().rss - self.start)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.start
+        else:
+            self._stop.set()
+            self.thread.join()
+
+
+def synthetic_rows(vocab_size, rows=16, prompt=32, response=224):
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (rows, prompt + response), generator=generator)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "loss_mask": [[0] * prompt + [1] * response] * rows})
+
+
+def run_steps(drafter, target, batches, args, carryover, optimizer):
+    settings = LossSettings(gamma=default_gamma(drafter.config.block_size))
+    device = next(drafter.parameters()).device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    backward_seconds, tokens = 0.0, 0
+    with PeakMemory(device) as memory, profile(activities=[ProfilerActivity.CPU]) as profiler:
+        sync()
+        started = time.perf_counter()
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            loss, _ = training_step_loss(drafter, target, batch, args.num_anchors, settings, carryover, args.verify_chunk_size)
+            sync()
+            t0 = time.perf_counter()
+            loss.backward()
+            sync()
+            backward_seconds += time.perf_counter() - t0
+            optimizer.step()
+            optimizer.zero_grad()
+            tokens += int((batch["loss_mask"] * batch["attention_mask"]).sum())
+        sync()
+        seconds = time.perf_counter() - started
+    events = {e.key: e.cpu_time_total / 1e6 for e in profiler.key_averages() if e.key in PHASES}
+    split = {phase.split(".")[1]: events.get(phase, 0.0) for phase in PHASES} | {"backward": backward_seconds}
+    return {
+        "seconds_per_step": seconds / len(batches),
+        "response_tokens_per_second": tokens / seconds,
+        "peak_memory_mb": memory.peak / 2**20,
+        "seconds_per_step_by_phase": {k: v / len(batches) for k, v in split.items()},
+    }
+
+
+def measure_mode(args, carryover: bool) -> dict:
+    """One mode in its own process, so that its peak memory is not hidden by the other mode's freed allocations."""
+    target, _ = load_target(args.target, tokenizer=False)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target.to(device)
+    rows = load_training_rows(args.dataset) if args.dataset else synthetic_rows(target.config.vocab_size)
+    rows = prepare_rows(rows, args.max_seq_length)
+    batches = [pad_collator([rows[(i * args.batch_size + j) % len(rows)] for j in range(args.batch_size)]) for i in range(args.steps + 1)]
+    torch.manual_seed(0)
+    drafter = build_drafter(target, DrafterArguments(num_draft_layers=2, block_size=16)).to(device).train()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4)
+    run_steps(drafter, target, batches[:1], args, carryover, optimizer)  # warmup
+    return run_steps(drafter, target, batches[1:], args, carryover, optimizer) | {"device": str(device)}
+
+
+def main(argv=None):
+    (args,) = HfArgumentParser(BenchArguments).parse_args_into_dataclasses(argv)
+    report = {"settings": asdict(args), "torch_threads": torch.get_num_threads(), "modes": {}}
+    context = multiprocessing.get_context("spawn")
+    for mode, carryover in (("baseline", False), ("carryover", True)):
+        with context.Pool(1) as pool:
+            report["modes"][mode] = pool.apply(measure_mode, (args, carryover))
+    base, carry = report["modes"]["baseline"], report["modes"]["carryover"]
+    report["carryover_step_cost_vs_baseline"] = carry["seconds_per_step"] / base["seconds_per_step"]
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=2)
+    for mode, entry in report["modes"].items():
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in entry["seconds_per_step_by_phase"].items() if v)
+        print(
+            f"{mode:<10} {entry['seconds_per_step']:.2f} s/step  {entry['response_tokens_per_second']:.0f} tok/s  "
+            f"peak +{entry['peak_memory_mb']:.0f} MB  [{phases}]"
+        )
+    print(f"carryover step = {report['carryover_step_cost_vs_baseline']:.2f}x a baseline step -> {args.output}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
