@@ -116,7 +116,8 @@ def test_dflash_loss_by_hand():
     hidden = torch.tensor([[[[2.0, 0.0], [0.0, 1.0]]]])  # [S=1, N=1, c=2, d=2] -> logits [2,0,0] and [0,1,0]
     labels = torch.tensor([[[0, 2]]])
     valid = torch.tensor([[[True, True]]])
-    loss, metrics = block_losses(drafter, _TinyLMHead(), hidden, labels, valid, None, None, LossSettings(gamma=1.0))
+    prev = torch.zeros_like(labels)  # unused without a Markov head
+    loss, metrics = block_losses(drafter, _TinyLMHead(), hidden, labels, valid, prev, None, LossSettings(gamma=1.0))
     ce0 = -math.log(math.exp(2) / (math.exp(2) + 2))
     ce1 = -math.log(1 / (math.e + 2))
     w1 = math.exp(-1.0)
@@ -137,8 +138,8 @@ def test_markov_losses_by_hand():
     hidden[..., 0] = 1.0  # logits from the tiny head use the first 2 dims: [1, 0, 0]
     head = lambda h: lm_head(h[..., :2])  # noqa: E731
     labels, valid, prev = torch.tensor([[[1]]]), torch.tensor([[[True]]]), torch.tensor([[[0]]])
-    target_logits = torch.tensor([[[[0.0, 0.0, 0.0]]]])  # uniform target distribution
-    loss, metrics = block_losses(drafter, head, hidden, labels, valid, prev, target_logits, LossSettings(gamma=1.0))
+    target_hidden = torch.zeros(1, 1, 1, 64)  # the tiny head maps it to logits [0, 0, 0]: a uniform target
+    loss, metrics = block_losses(drafter, head, hidden, labels, valid, prev, target_hidden, LossSettings(gamma=1.0))
     corrected = torch.tensor([1.0, 1.0, 0.0])  # [1,0,0] + W2(W1[0]) = [1,0,0] + [0,1,0]
     p = corrected.softmax(-1)
     ce = -p[1].log().item()
@@ -329,3 +330,29 @@ def test_init_from_target_starts_lower():
         with torch.no_grad():
             losses[init], _ = training_step_loss(drafter, target, batch, 16, LossSettings(gamma=4.0), carryover=False)
     assert losses[True] < losses[False]
+
+
+@pytest.mark.parametrize("markov_rank", [0, 8])
+def test_chunked_loss_equals_one_pass(markov_rank):
+    """The LM head runs over chunks of blocks under checkpointing: same loss, same gradients as one big pass."""
+    target = make_target("llama")
+    drafter = make_drafter(target, markov_rank=markov_rank)
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 3, 64)
+    labels = torch.randint(0, 96, (2, 5, 3))
+    valid = torch.rand(2, 5, 3) > 0.2
+    prev = torch.randint(0, 96, (2, 5, 3))
+    target_hidden = torch.randn(2, 5, 3, 64)
+    results = []
+    for chunk_size in (2, 64):
+        drafter.zero_grad()
+        leaf = hidden.clone().requires_grad_(True)
+        loss, _ = block_losses(
+            drafter, target.lm_head, leaf, labels, valid, prev, target_hidden, LossSettings(gamma=3.0, chunk_size=chunk_size)
+        )
+        loss.backward()
+        grads = [leaf.grad] + [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+        results.append((loss.detach(), grads))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b)

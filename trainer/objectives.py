@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
+from torch.utils.checkpoint import checkpoint
 
 from .verification import target_pass, verify_branches
 
@@ -109,46 +110,57 @@ class LossSettings:
     markov_ce_weight: float = 0.1
     markov_l1_weight: float = 0.9
     confidence_weight: float = 1.0
+    chunk_size: int = 64  # blocks per LM-head chunk in the loss
 
 
-def weighted_mean(values, weights, valid):
-    """sum(w * v) / sum(w) over valid slots; values [S, N, c], weights [c], valid [S, N, c]."""
-    w = weights * valid
-    return (values * w).sum() / w.sum().clamp(min=1e-8)
-
-
-def block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, target_logits, settings: LossSettings):
-    """The baseline objective of the drafter variant.
-
-    DFlash: position-weighted cross-entropy. Markov (DSpark): 0.1 CE of the corrected logits + 0.9 L1 distance to
-    the target's distribution + 1.0 BCE of the confidence head against clamp(1 - 0.5 L1, 0, 1), each position-weighted.
-    hidden [S, N, c, d]; labels, label_valid, prev_token_ids [S, N, c]; target_logits [S, N, c, V] or None.
-    Returns (loss, metrics dict).
-    """
-    weights = position_weights(labels.shape[-1], settings.gamma, hidden.device)
-    logits = lm_head(hidden).float()  # [S, N, c, V]
-    module = drafter_module(drafter)
-    if not module.config.markov_rank:
-        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
-        loss = weighted_mean(ce, weights, label_valid)
-        return loss, {"ce": loss.detach(), "accuracy": _accuracy(logits, labels, label_valid)}
-
-    logits = logits + module.markov_correction(prev_token_ids).float()
+def slot_terms(module, lm_head, hidden, labels, prev_token_ids, target_hidden):
+    """Per-slot loss terms of a chunk of blocks, each [S, n, c]: cross-entropy and correctness, plus for the Markov
+    head the L1 distance to the target's distribution and the confidence BCE against clamp(1 - 0.5 L1, 0, 1)."""
+    logits = lm_head(hidden).float()  # [S, n, c, V]: the big tensor, recomputed in backward (see block_losses)
+    if module.config.markov_rank:
+        logits = logits + module.markov_correction(prev_token_ids).float()
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
-    draft_probs = logits.softmax(-1)
-    target_probs = target_logits.float().softmax(-1)
-    l1 = (draft_probs - target_probs).abs().sum(-1)  # [S, N, c], in [0, 2]
+    correct = (logits.argmax(-1) == labels).float()
+    if not module.config.markov_rank:
+        return ce, correct
+    with torch.no_grad():
+        target_probs = lm_head(target_hidden).float().softmax(-1)
+    l1 = (logits.softmax(-1) - target_probs).abs().sum(-1)  # in [0, 2]
     confidence_target = (1 - 0.5 * l1).clamp(0, 1).detach()
-    confidence = module.confidence(hidden, prev_token_ids).float()
-    bce = F.binary_cross_entropy(confidence.clamp(1e-6, 1 - 1e-6), confidence_target, reduction="none")
-    ce_loss, l1_loss, bce_loss = (weighted_mean(x, weights, label_valid) for x in (ce, l1, bce))
-    loss = settings.markov_ce_weight * ce_loss + settings.markov_l1_weight * l1_loss + settings.confidence_weight * bce_loss
-    metrics = {"ce": ce_loss.detach(), "l1": l1_loss.detach(), "confidence_bce": bce_loss.detach()}
-    return loss, metrics | {"accuracy": _accuracy(logits, labels, label_valid)}
+    confidence = module.confidence(hidden, prev_token_ids).float().clamp(1e-6, 1 - 1e-6)
+    bce = F.binary_cross_entropy(confidence, confidence_target, reduction="none")
+    return ce, correct, l1, bce
 
 
-def _accuracy(logits, labels, valid):
-    return ((logits.argmax(-1) == labels) & valid).sum() / valid.sum().clamp(min=1)
+def block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, target_hidden, settings: LossSettings):
+    """The baseline objective of the drafter variant, position-weighted (w_k = exp(-(k-1)/gamma)) and normalised by
+    the weights of the valid slots: DFlash = cross-entropy; Markov (DSpark) = 0.1 CE of the corrected logits + 0.9 L1
+    to the target's distribution + 1.0 confidence BCE.
+
+    hidden [S, N, c, d]; labels, label_valid, prev_token_ids [S, N, c]; target_hidden [S, N, c, d] (the target's final
+    hidden state before each label, Markov only). Blocks go through the LM head `settings.chunk_size` at a time under
+    activation checkpointing, so [S, N, c, V] logits never exist at once. Returns (loss, metrics dict).
+    """
+    module = drafter_module(drafter)
+    weights = position_weights(labels.shape[-1], settings.gamma, hidden.device) * label_valid  # [S, N, c]
+    totals, num_correct = None, 0
+    for start in range(0, labels.shape[1], settings.chunk_size):
+        part = slice(start, start + settings.chunk_size)
+        inputs = (hidden[:, part], labels[:, part], prev_token_ids[:, part], None if target_hidden is None else target_hidden[:, part])
+        if hidden.requires_grad:
+            ce, correct, *markov = checkpoint(slot_terms, module, lm_head, *inputs, use_reentrant=False)
+        else:
+            ce, correct, *markov = slot_terms(module, lm_head, *inputs)
+        sums = [(term * weights[:, part]).sum() for term in (ce, *markov)]
+        totals = sums if totals is None else [t + x for t, x in zip(totals, sums)]
+        num_correct += (correct * label_valid[:, part]).sum().detach()
+    ce, *markov = [t / weights.sum().clamp(min=1e-8) for t in totals]
+    metrics = {"ce": ce.detach(), "accuracy": num_correct / label_valid.sum().clamp(min=1)}
+    if not markov:
+        return ce, metrics
+    l1, bce = markov
+    loss = settings.markov_ce_weight * ce + settings.markov_l1_weight * l1 + settings.confidence_weight * bce
+    return loss, metrics | {"l1": l1.detach(), "confidence_bce": bce.detach()}
 
 
 def gather_rows(rows, positions):
@@ -158,17 +170,16 @@ def gather_rows(rows, positions):
     return torch.gather(rows, 1, index.unsqueeze(-1).expand(-1, -1, rows.shape[-1])).view(S, N, c, -1)
 
 
-def blocks_at(batch: Batch, anchor_positions, anchor_valid, num_slots: int, lm_head):
-    """Labels, the Markov head's previous tokens (teacher forcing: token[a + k - 1]) and the target's logits for the
-    label positions (its distribution at a + k - 1) of the blocks at `anchor_positions`."""
+def blocks_at(batch: Batch, anchor_positions, anchor_valid, num_slots: int):
+    """Labels, the Markov head's previous tokens (teacher forcing: token[a + k - 1]) and the target's final hidden
+    states before each label (its distribution there: Markov objectives) of the blocks at `anchor_positions`."""
     labels, label_valid = block_labels(batch.input_ids, batch.loss_mask, anchor_positions, anchor_valid, num_slots)
     prev_positions = anchor_positions.unsqueeze(-1) + torch.arange(num_slots, device=labels.device)
     prev_token_ids = gather_rows(batch.input_ids.unsqueeze(-1), prev_positions).squeeze(-1)
-    target_logits = None
+    target_hidden = None
     if batch.target_probs_hidden is not None:
-        with torch.no_grad():
-            target_logits = lm_head(gather_rows(batch.target_probs_hidden, prev_positions))
-    return labels, label_valid, prev_token_ids, target_logits
+        target_hidden = gather_rows(batch.target_probs_hidden, prev_positions)
+    return labels, label_valid, prev_token_ids, target_hidden
 
 
 @dataclass
@@ -251,8 +262,8 @@ def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: Los
         )
     with record_function("carryover.drafter_loss"):  # the baseline pass, or carryover's second pass
         hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid, carried)
-        labels, label_valid, prev_token_ids, target_logits = blocks_at(batch, anchor_positions, anchor_valid, num_slots, lm_head)
-        loss, loss_metrics = block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, target_logits, settings)
+        labels, label_valid, prev_token_ids, target_hidden = blocks_at(batch, anchor_positions, anchor_valid, num_slots)
+        loss, loss_metrics = block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, target_hidden, settings)
     return loss, metrics | loss_metrics
 
 
