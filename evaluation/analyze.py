@@ -127,20 +127,6 @@ class Replay:
     attention_shares: torch.Tensor | None = None
 
 
-def choose_greedy(drafter, logits, anchor_ids):
-    """Greedy drafts as `generate` picks them: a Markov drafter corrects each slot's logits with the previous slot's
-    own choice (each proposal is scored under its own within-block prefix). logits [n, K, V], anchor_ids [n]."""
-    if not drafter.config.markov_rank:
-        return logits, logits.argmax(-1)
-    previous, corrected = anchor_ids, []
-    for slot_logits in logits.unbind(1):
-        slot_logits = slot_logits + drafter.markov_correction(previous).float()
-        previous = slot_logits.argmax(-1)
-        corrected.append(slot_logits)
-    corrected = torch.stack(corrected, dim=1)
-    return corrected, corrected.argmax(-1)
-
-
 @torch.no_grad()
 def replay(target, drafter, recording: Recording, carried=None, top_k=16, attention=False, chunk_size=32) -> Replay:
     """Re-draft every recorded round from its committed prefix: context rows at positions < anchor (as at decoding),
@@ -169,7 +155,8 @@ def replay(target, drafter, recording: Recording, carried=None, top_k=16, attent
             **carried_kwargs,
         )
         hidden = out.last_hidden_state[0, :, 1 : num_positions + 1]  # slot k predicts the token at anchor + k
-        logits, chunk_drafts = choose_greedy(drafter, lm_head(hidden.to(lm_head.weight.dtype)).float(), anchor_ids)
+        # each proposal scored under its own within-block prefix: the Markov head corrects with the previous draft
+        chunk_drafts, logits = drafter.greedy_drafts(lm_head(hidden.to(lm_head.weight.dtype)).float(), anchor_ids, return_logits=True)
         drafts.append(chunk_drafts)
         top_ids.append(logits.topk(top_k, dim=-1).indices)
         if attention:

@@ -39,6 +39,7 @@ from transformers import AutoModel, HfArgumentParser
 
 from evaluation.benchmarks import EMBEDDED, encode_prompt, load_benchmark
 from evaluation.plots import plot_acceptance_by_position, plot_latency, plot_tau
+from modeling_carryover import GenerationStats
 from modeling_carryover import generate as carryover_generate
 from modeling_carryover.generation_carryover import _synchronize
 from trainer.targets import load_target
@@ -196,7 +197,7 @@ def measure(target, tokenizer, drafters, benchmark, args) -> dict:
 
 def tau(rounds) -> float:
     """Acceptance length: tokens per round, bonus token included, micro-averaged over rounds."""
-    return sum(r.accepted + 1 for r in rounds) / len(rounds) if rounds else float("nan")
+    return GenerationStats(rounds).acceptance_length
 
 
 def acceptance(rounds, num_positions: int) -> dict:

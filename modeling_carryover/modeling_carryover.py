@@ -395,16 +395,18 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         """W2(W1[x_{k-1}]): logit correction for a slot whose previous token is x_{k-1}. [...] -> [..., V]"""
         return self.markov_proj(self.markov_embed(prev_token_ids))
 
-    def greedy_drafts(self, slot_logits, anchor_ids):
+    def greedy_drafts(self, slot_logits, anchor_ids, return_logits=False):
         """Greedy drafts from the slot logits [..., c, V] (slot k proposes the token at anchor + k), left to right for
-        the Markov head, which corrects each slot with the previous choice (the anchor for the first). -> [..., c]"""
-        if not self.config.markov_rank:
-            return slot_logits.argmax(-1)
-        previous, drafts = anchor_ids, []
-        for logits in slot_logits.unbind(-2):
-            previous = (logits + self.markov_correction(previous).to(logits.dtype)).argmax(-1)
-            drafts.append(previous)
-        return torch.stack(drafts, dim=-1)
+        the Markov head, which corrects each slot with the previous choice (the anchor for the first). -> [..., c]
+        (and the corrected logits the drafts were chosen from, with `return_logits=True`)."""
+        if self.config.markov_rank:
+            previous, corrected = anchor_ids, []
+            for logits in slot_logits.unbind(-2):
+                corrected.append(logits + self.markov_correction(previous).to(logits.dtype))
+                previous = corrected[-1].argmax(-1)
+            slot_logits = torch.stack(corrected, dim=-2)
+        drafts = slot_logits.argmax(-1)
+        return (drafts, slot_logits) if return_logits else drafts
 
     def confidence(self, hidden_states, prev_token_ids):
         """P(slot k survives | slots before it did) = sigmoid(Linear([h_k ; W1[x_{k-1}]])). -> [...]"""

@@ -12,23 +12,12 @@ import torch
 from conftest import trained_drafter
 
 import modeling_carryover as mc
-
-BLOCKER = textwrap.dedent(
-    """
-    import importlib.abc, sys
-    class BlockProject(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name.split(".")[0] in {"modeling_carryover", "trainer", "hub", "evaluation"}:
-                raise ImportError(f"{name} is not importable in this process")
-    sys.meta_path.insert(0, BlockProject())
-    """
-)
-
+from hub.publish import BLOCK_PROJECT_IMPORTS
 
 def run_fresh(code: str, cwd) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", HF_MODULES_CACHE=str(cwd / "modules"))
-    return subprocess.run([sys.executable, "-c", BLOCKER + code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", BLOCK_PROJECT_IMPORTS + code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_round_trip_in_a_fresh_process(tmp_path):
