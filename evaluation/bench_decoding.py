@@ -86,7 +86,8 @@ def benchmark_drafter(args, target):
 def main(argv=None):
     (args,) = HfArgumentParser(BenchArguments).parse_args_into_dataclasses(argv)
     dtype = getattr(torch, args.dtype)
-    target, tokenizer = load_target(args.target, dtype=dtype)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target, tokenizer = load_target(args.target, dtype=dtype, device=device)
     drafter = benchmark_drafter(args, target).to(device=target.device, dtype=dtype).eval()
     prompts = load_benchmark(args.benchmark, subsets=[args.subset], limit=args.num_prompts)[args.subset]
     target_timer, drafter_timer = ForwardTimer(target), ForwardTimer(drafter)

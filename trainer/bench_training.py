@@ -36,7 +36,11 @@ PHASES = ("carryover.target_pass", "carryover.first_draft", "carryover.verify", 
 @dataclass
 class BenchArguments:
     target: str | None = field(default=None, metadata={"help": "Default: the embedded SmolLM2-135M-Instruct."})
+    target_dtype: str = field(default="float32", metadata={"help": "bfloat16 also runs the drafter under bf16 autocast."})
+    num_draft_layers: int = field(default=2)
+    block_size: int = field(default=16)
     dataset: str | None = field(default=None, metadata={"help": "Training rows; default: synthetic random tokens."})
+    synthetic_length: int = field(default=256, metadata={"help": "Tokens per synthetic row (32 prompt + response)."})
     steps: int = field(default=4)
     batch_size: int = field(default=2)
     num_anchors: int = field(default=64)
@@ -74,12 +78,12 @@ class PeakMemory:
             self.thread.join()
 
 
-def synthetic_rows(vocab_size, rows=16, prompt=32, response=224):
+def synthetic_rows(vocab_size, length, rows=16, prompt=32):
     from datasets import Dataset
 
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab_size, (rows, prompt + response), generator=generator)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "loss_mask": [[0] * prompt + [1] * response] * rows})
+    ids = torch.randint(0, vocab_size, (rows, length), generator=generator)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "loss_mask": [[0] * prompt + [1] * (length - prompt)] * rows})
 
 
 def run_steps(drafter, target, batches, args, carryover, optimizer):
@@ -87,7 +91,9 @@ def run_steps(drafter, target, batches, args, carryover, optimizer):
     device = next(drafter.parameters()).device
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     backward_seconds, tokens = 0.0, 0
-    with PeakMemory(device) as memory, profile(activities=[ProfilerActivity.CPU]) as profiler:
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.target_dtype == "bfloat16")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with PeakMemory(device) as memory, profile(activities=activities, acc_events=True) as profiler, autocast:
         sync()
         started = time.perf_counter()
         for batch in batches:
@@ -103,7 +109,9 @@ def run_steps(drafter, target, batches, args, carryover, optimizer):
             tokens += int((batch["loss_mask"] * batch["attention_mask"]).sum())
         sync()
         seconds = time.perf_counter() - started
-    events = {e.key: e.cpu_time_total / 1e6 for e in profiler.key_averages() if e.key in PHASES}
+    # on a GPU the work is asynchronous: a phase's time is the device time of the kernels launched inside it
+    on_gpu = device.type == "cuda"
+    events = {e.key: (e.device_time_total if on_gpu else e.cpu_time_total) / 1e6 for e in profiler.key_averages() if e.key in PHASES}
     split = {phase.split(".")[1]: events.get(phase, 0.0) for phase in PHASES} | {"backward": backward_seconds}
     return {
         "seconds_per_step": seconds / len(batches),
@@ -115,14 +123,15 @@ def run_steps(drafter, target, batches, args, carryover, optimizer):
 
 def measure_mode(args, carryover: bool) -> dict:
     """One mode in its own process, so that its peak memory is not hidden by the other mode's freed allocations."""
-    target, _ = load_target(args.target, tokenizer=False)
+    target, _ = load_target(args.target, tokenizer=False, dtype=getattr(torch, args.target_dtype))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target.to(device)
-    rows = load_training_rows(args.dataset) if args.dataset else synthetic_rows(target.config.vocab_size)
+    rows = load_training_rows(args.dataset) if args.dataset else synthetic_rows(target.config.vocab_size, args.synthetic_length)
     rows = prepare_rows(rows, args.max_seq_length)
     batches = [pad_collator([rows[(i * args.batch_size + j) % len(rows)] for j in range(args.batch_size)]) for i in range(args.steps + 1)]
     torch.manual_seed(0)
-    drafter = build_drafter(target, DrafterArguments(num_draft_layers=2, block_size=16)).to(device).train()
+    drafter_args = DrafterArguments(num_draft_layers=args.num_draft_layers, block_size=args.block_size)
+    drafter = build_drafter(target, drafter_args).to(device).train()  # float32 master weights
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4)
     run_steps(drafter, target, batches[:1], args, carryover, optimizer)  # warmup
     return run_steps(drafter, target, batches[1:], args, carryover, optimizer) | {"device": str(device)}

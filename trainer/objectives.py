@@ -113,10 +113,15 @@ class LossSettings:
     chunk_size: int = 64  # blocks per LM-head chunk in the loss
 
 
+def apply_lm_head(lm_head, hidden):
+    """The target's (frozen, possibly bf16) LM head on drafter hidden states -> float32 logits."""
+    return lm_head(hidden.to(lm_head.weight.dtype)).float()
+
+
 def slot_terms(module, lm_head, hidden, labels, prev_token_ids, target_hidden):
     """Per-slot loss terms of a chunk of blocks, each [S, n, c]: cross-entropy and correctness, plus for the Markov
     head the L1 distance to the target's distribution and the confidence BCE against clamp(1 - 0.5 L1, 0, 1)."""
-    logits = lm_head(hidden).float()  # [S, n, c, V]: the big tensor, recomputed in backward (see block_losses)
+    logits = apply_lm_head(lm_head, hidden)  # [S, n, c, V]: the big tensor, recomputed in backward (block_losses)
     if module.config.markov_rank:
         logits = logits + module.markov_correction(prev_token_ids).float()
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
@@ -124,7 +129,7 @@ def slot_terms(module, lm_head, hidden, labels, prev_token_ids, target_hidden):
     if not module.config.markov_rank:
         return ce, correct
     with torch.no_grad():
-        target_probs = lm_head(target_hidden).float().softmax(-1)
+        target_probs = apply_lm_head(lm_head, target_hidden).softmax(-1)
     l1 = (logits.softmax(-1) - target_probs).abs().sum(-1)  # in [0, 2]
     confidence_target = (1 - 0.5 * l1).clamp(0, 1).detach()
     confidence = module.confidence(hidden, prev_token_ids).float().clamp(1e-6, 1 - 1e-6)
@@ -206,7 +211,7 @@ def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded,
     with record_function("carryover.first_draft"):
         hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid)
         anchor_ids = torch.gather(batch.input_ids, 1, anchor_positions)
-        drafts = module.greedy_drafts(lm_head(hidden).float(), anchor_ids)  # [S, N, c]
+        drafts = module.greedy_drafts(apply_lm_head(lm_head, hidden), anchor_ids)  # [S, N, c]
 
     indices = module.feature_hidden_state_indices
     with record_function("carryover.verify"):

@@ -12,7 +12,7 @@ else
 fi
 DATA=data/smollm2-magpie-$PROMPTS
 COMMON=(--dataset "$DATA" --max_seq_length 512 --num_draft_layers 2 --block_size 8 --num_anchors 32
-        --per_device_train_batch_size 4 --learning_rate 6e-4 --warmup_ratio 0.04 --lr_scheduler_type cosine
+        --per_device_train_batch_size 4 --learning_rate 6e-4 --warmup_steps 0.04 --lr_scheduler_type cosine
         --logging_steps 10 --save_steps 100 --save_total_limit 1 --report_to none --seed 0)
 
 python -m trainer.regenerate --data_dir "$DATA" --prompts magpie --num_prompts "$PROMPTS" --magpie_max_new_tokens 64 \

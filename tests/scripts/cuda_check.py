@@ -1,0 +1,80 @@
+"""GPU check (run on a CUDA machine; CI has none): the real Trainer trains a drafter on CUDA (fp32 and bf16 autocast,
+baseline then carryover), and carryover decoding on CUDA reproduces plain greedy decoding.
+
+    python tests/scripts/cuda_check.py [cpu]      # prints one JSON line per dtype; exits 1 on an fp32 mismatch
+
+bf16 is reported, not asserted: a multi-token verification forward and one-token plain decoding use different
+kernels, so bf16 argmax ties can flip (true of any assisted generation in transformers).
+"""
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from conftest import greedy_dataset, make_drafter, make_target  # noqa: E402
+from transformers import TrainingArguments  # noqa: E402
+
+import modeling_carryover as mc  # noqa: E402
+from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer  # noqa: E402
+
+
+def train(target, drafter, dataset, carryover, bf16):
+    args = TrainingArguments(
+        use_cpu=target.device.type == "cpu",
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8, num_train_epochs=6 if not carryover else 3,
+        learning_rate=3e-3, lr_scheduler_type="constant", save_strategy="no", report_to=[], seed=0, bf16=bf16,
+        disable_tqdm=True, logging_steps=1000,
+    )
+    trainer = CarryoverTrainer(
+        model=drafter, args=args, train_dataset=dataset, target_model=target,
+        carryover_args=CarryoverArguments(num_anchors=32, carryover=carryover),
+    )
+    trainer.train()
+    return trainer.state.log_history[-1]["train_loss"]
+
+
+def check(dtype, device):
+    target = make_target("llama")
+    dataset = greedy_dataset(target, num_rows=64)  # on CPU, float32: the training data
+    target.to(device=device, dtype=dtype)
+    drafter = make_drafter(target, block_size=8)
+    started = time.perf_counter()
+    losses = [train(target, drafter, dataset, carryover, dtype == torch.bfloat16) for carryover in (False, True)]
+    drafter.to(device=device, dtype=dtype).eval()
+    mismatches, runs, rounds = 0, 0, []
+    for row in dataset.select(range(12)):
+        prompt = torch.tensor([row["input_ids"][:6]], device=device)
+        for max_new_tokens in (1, 17, 60):
+            expected = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False)
+            for carryover in (True, False):
+                out = mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=max_new_tokens, carryover=carryover)
+                mismatches += not torch.equal(out, expected)
+                runs += 1
+                rounds += drafter.generation_stats.rounds
+        torch.manual_seed(0)
+        mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=40, do_sample=True)  # sampling runs on CUDA
+    return {
+        "dtype": str(dtype),
+        "train_loss_baseline": losses[0],
+        "train_loss_carryover": losses[1],
+        "train_and_decode_seconds": round(time.perf_counter() - started, 1),
+        "greedy_runs": runs,
+        "mismatches": mismatches,
+        "tau": mc.GenerationStats(rounds).acceptance_length,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+
+
+if __name__ == "__main__":
+    device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cuda")  # `cpu` to try the script without a GPU
+    results = [check(torch.float32, device), check(torch.bfloat16, device)]
+    for result in results:
+        print(json.dumps(result))
+    sys.exit(1 if results[0]["mismatches"] else 0)
