@@ -144,3 +144,29 @@ def test_bad_inputs_fail_before_writing_anything(tiny_setup, tmp_path):
     make_drafter(make_target("llama", num_hidden_layers=2)).save_pretrained(other)
     fails("does not fit the target", "--drafter_checkpoint", str(other))
     fails("out of range", "--target_layer_ids", "0", "7")
+
+
+def test_yaml_config_and_a_peft_adapter_on_the_target(tiny_setup, tmp_path):
+    """run.py from a YAML file, drafting for a fine-tuned target given as base + PEFT adapter (merged on load)."""
+    import yaml
+    from peft import LoraConfig, get_peft_model
+
+    root, target = tiny_setup
+    base = make_target("llama")
+    adapted = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "adapter")
+    merged = adapted.merge_and_unload()
+    config = {
+        "target": str(root / "target"), "target_adapter": str(tmp_path / "adapter"), "dataset": str(root / "data"),
+        "output_dir": str(tmp_path / "out"), "num_draft_layers": 2, "block_size": 4, "num_anchors": 16,
+        "per_device_train_batch_size": 4, "max_steps": 2, "save_strategy": "no", "report_to": "none", "use_cpu": True,
+        "disable_tqdm": True,
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    trainer = run_main([str(tmp_path / "run.yaml")])
+    assert trainer.state.global_step == 2 and (tmp_path / "out" / "model.safetensors").exists()
+    ids = torch.randint(0, 96, (1, 8))
+    with torch.no_grad():
+        used, expected, plain = (m(ids).logits for m in (trainer.target_model, merged, target))
+    torch.testing.assert_close(used, expected)  # the trainer's target is base + adapter...
+    assert not torch.allclose(used, plain)  # ...not the base model
