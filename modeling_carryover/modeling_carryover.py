@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
+from packaging import version
 from torch import nn
 
 from transformers import PreTrainedModel
@@ -39,9 +41,22 @@ USAGE_HINT = (
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def feature_hidden_state_indices(target_layer_ids: list[int]) -> list[int]:
-    """Indices into HF `output_hidden_states` for the feature layers: id l is the OUTPUT of decoder layer l."""
-    return [i + 1 for i in target_layer_ids]
+# A list `output_hidden_states=[...]` indexes HF's full tuple (0 = the embeddings, i + 1 = decoder layer i) from
+# transformers 5.23 on; 5.19-5.22 index the decoder layers directly and return no embedding entry.
+_LIST_INDEXES_FULL_TUPLE = version.parse(transformers.__version__).release >= (5, 23)
+
+
+def hidden_state_request(target_layer_ids: list[int]) -> list[int]:
+    """The `output_hidden_states=` value that returns the OUTPUTS of decoder layers `target_layer_ids` only."""
+    offset = 1 if _LIST_INDEXES_FULL_TUPLE else 0
+    return [i + offset for i in target_layer_ids]
+
+
+def layer_outputs(hidden_states, target_layer_ids: list[int], num_layers: int) -> list:
+    """The outputs of decoder layers `target_layer_ids` from HF `hidden_states`, however they were requested: the full
+    tuple (num_layers + 1 entries, embeddings first) or a transformers 5.19-5.22 list request (num_layers entries)."""
+    offset = len(hidden_states) - num_layers
+    return [hidden_states[i + offset] for i in target_layer_ids]
 
 
 def rejected_rows(window_features, window_position_ids, accepted_len):
@@ -306,11 +321,13 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
 
     @property
     def feature_hidden_state_indices(self) -> list[int]:
-        return feature_hidden_state_indices(self.config.target_layer_ids)
+        """What to pass as the target's `output_hidden_states=` to get the feature layers."""
+        return hidden_state_request(self.config.target_layer_ids)
 
     def target_features(self, hidden_states) -> torch.Tensor:
         """Concatenate the target's feature layers from HF `hidden_states` (tuple of [S, T, d]) -> [S, T, F]."""
-        return torch.cat([hidden_states[i] for i in self.feature_hidden_state_indices], dim=-1)
+        config = self.config
+        return torch.cat(layer_outputs(hidden_states, config.target_layer_ids, config.num_target_layers), dim=-1)
 
     def check_target(self, target_config) -> None:
         self.config.check_target(target_config)
@@ -431,4 +448,11 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
 CarryoverDrafterConfig.register_for_auto_class()
 CarryoverDrafterModel.register_for_auto_class("AutoModel")
 
-__all__ = ["CarryoverDrafterModel", "CarryoverPreTrainedModel", "CarryoverDrafterOutput", "rejected_rows"]
+__all__ = [
+    "CarryoverDrafterModel",
+    "CarryoverDrafterOutput",
+    "CarryoverPreTrainedModel",
+    "hidden_state_request",
+    "layer_outputs",
+    "rejected_rows",
+]

@@ -101,11 +101,13 @@ def test_anchor_sampling_respects_the_loss_mask():
 
 
 class _TinyLMHead(torch.nn.Module):
-    """An LM head given by an explicit matrix (V=3, d=2), to compute losses by hand."""
+    """An LM head given by an explicit matrix (V=3) reading the first 2 of `hidden` dims, to compute losses by hand."""
 
-    def __init__(self):
+    def __init__(self, hidden=2):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]), requires_grad=False)
+        weight = torch.zeros(3, hidden)
+        weight[:, :2] = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x):
         return x @ self.weight.T
@@ -133,10 +135,9 @@ def test_markov_losses_by_hand():
         drafter.markov_proj.weight.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]]))  # prev 0 -> +1 on token 1
         drafter.confidence_head.weight.zero_()
         drafter.confidence_head.bias.zero_()  # confidence 0.5 everywhere
-    lm_head = _TinyLMHead()
+    head = _TinyLMHead(hidden=64)
     hidden = torch.zeros(1, 1, 1, 64)
     hidden[..., 0] = 1.0  # logits from the tiny head use the first 2 dims: [1, 0, 0]
-    head = lambda h: lm_head(h[..., :2])  # noqa: E731
     labels, valid, prev = torch.tensor([[[1]]]), torch.tensor([[[True]]]), torch.tensor([[[0]]])
     target_hidden = torch.zeros(1, 1, 1, 64)  # the tiny head maps it to logits [0, 0, 0]: a uniform target
     loss, metrics = block_losses(drafter, head, hidden, labels, valid, prev, target_hidden, LossSettings(gamma=1.0))

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
+from modeling_carryover.modeling_carryover import hidden_state_request, layer_outputs
+
 from .verification import target_pass, verify_branches
 
 
@@ -237,17 +239,18 @@ def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: Los
     module = drafter_module(drafter)
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     input_ids, attention_mask, loss_mask = (batch_inputs[k] for k in ("input_ids", "attention_mask", "loss_mask"))
-    indices = list(module.feature_hidden_state_indices)
     markov = module.config.markov_rank > 0
-    final_index = target.config.get_text_config().num_hidden_layers
+    num_layers = module.config.num_target_layers
+    # the Markov objectives also need the target's final (normed) hidden state: the last layer's output in HF
+    layers = module.config.target_layer_ids + ([num_layers - 1] if markov else [])
     with record_function("carryover.target_pass"):
-        recorded = target_pass(target, input_ids, attention_mask, indices + ([final_index] if markov else []), carryover)
+        recorded = target_pass(target, input_ids, attention_mask, hidden_state_request(layers), carryover)
     batch = Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         loss_mask=loss_mask * attention_mask,
         features=module.target_features(recorded.hidden_states),
-        target_probs_hidden=recorded.hidden_states[final_index] if markov else None,
+        target_probs_hidden=layer_outputs(recorded.hidden_states, [num_layers - 1], num_layers)[0] if markov else None,
     )
     num_slots = module.config.block_size - 1
     anchor_positions, anchor_valid = sample_anchors(batch.loss_mask, num_anchors)
