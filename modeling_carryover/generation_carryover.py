@@ -61,10 +61,6 @@ class GenerationStats:
             return float("nan")
         return sum(r.accepted + 1 for r in self.rounds) / len(self.rounds)
 
-    @property
-    def carried_rows(self) -> int:
-        return sum(r.carried for r in self.rounds)
-
 
 def _synchronize(device):
     if device.type == "cuda":
