@@ -8,11 +8,20 @@ _send_commit):
     POST /api/models/{repo}/preupload/{revision}    {"files": [{"path", "sample", "size"}]}
     POST /api/models/{repo}/commit/{revision}       NDJSON: a header line, then one line per file
 
+and the read endpoints that `AutoModel.from_pretrained(repo, trust_remote_code=True)` and
+`generate(custom_generate=repo, trust_remote_code=True)` call in transformers 5.23 (utils/hub.py: resolve_revision ->
+HfApi.resolve_revision, which pins a branch to its commit id; hf_hub_download's get_hf_file_metadata and http_get;
+has_file):
+
+    GET /api/models/{repo}[/revision/{revision}]    {"id", "sha", "private", "siblings"}  (HfApi.model_info)
+    HEAD, GET /{repo}/resolve/{revision}/{path}     the file as committed; revision: a branch or a commit id
+
 Every file is declared "regular" at preupload, so its content arrives base64-encoded in the commit (no LFS/Xet
-transfer). It binds 127.0.0.1 only, serves at most `max_requests` requests or `lifetime` seconds and then stops by
-itself, and records what was committed. `fail={"commit": 403}` makes an endpoint (create_repo, branch, preupload,
-commit) answer with that status; huggingface_hub retries 408/429/5xx answers to preupload and commit with backoff
-(about 23 s in all), not those to create_repo or create_branch.
+transfer) and is served back as a regular git file: no redirect, no X-Linked-* headers. It binds 127.0.0.1 only,
+serves at most `max_requests` requests or `lifetime` seconds and then stops by itself, and records what was committed.
+`fail={"commit": 403}` makes an endpoint (create_repo, branch, preupload, commit) answer with that status;
+huggingface_hub retries 408/429/5xx answers to preupload and commit with backoff (about 23 s in all), not those to
+create_repo or create_branch.
 """
 
 import base64
@@ -43,7 +52,8 @@ class FakeHub:
     def __init__(self, fail: dict[str, int] | None = None, max_requests: int = 50, lifetime: float = 300.0):
         self.fail = fail or {}
         self.max_requests, self.lifetime = max_requests, lifetime
-        self.repos: dict[str, dict] = {}  # repo id -> {"private": bool, "branches": {name: {path: bytes}}}
+        # repo id -> {"private": bool, "branches": {name: commit id}, "trees": {commit id: {path: bytes}}}
+        self.repos: dict[str, dict] = {}
         self.commits: list[Commit] = []
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Authorization header)
         self._server = HTTPServer(("127.0.0.1", 0), self._handler())
@@ -72,7 +82,10 @@ class FakeHub:
         repo_id = f"{body['organization']}/{body['name']}" if body.get("organization") else body["name"]
         if repo_id in self.repos:
             return 409, {"error": "You already created this model repo", "url": f"{self.endpoint}/{repo_id}"}
-        self.repos[repo_id] = {"private": body.get("visibility") == "private", "branches": {"main": {}}}
+        initial = hashlib.sha1(f"initial commit of {repo_id}".encode()).hexdigest()  # the Hub's repos start with one
+        self.repos[repo_id] = {
+            "private": body.get("visibility") == "private", "branches": {"main": initial}, "trees": {initial: {}}
+        }
         return 200, {"url": f"{self.endpoint}/{repo_id}", "name": repo_id}
 
     def validate_yaml(self, body):
@@ -88,7 +101,7 @@ class FakeHub:
         branches = self.repos[repo_id]["branches"]
         if branch in branches:
             return 409, {"error": f"Reference refs/heads/{branch} already exists"}
-        branches[branch] = dict(branches[body.get("startingPoint", "main")])
+        branches[branch] = branches[body.get("startingPoint", "main")]
         return 200, {}
 
     def preupload(self, repo_id, revision, body):
@@ -104,13 +117,53 @@ class FakeHub:
                 return 400, {"error": f"unexpected commit operation {line['key']!r}"}
             files[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
         self.commits.append(Commit(repo_id, revision, header["summary"], header.get("description", ""), files))
-        self.repos[repo_id]["branches"][revision].update(files)
-        oid = hashlib.sha1(raw).hexdigest()
+        repo = self.repos[repo_id]
+        parent = repo["branches"][revision]
+        oid = hashlib.sha1(parent.encode() + raw).hexdigest()
+        repo["trees"][oid] = repo["trees"][parent] | files  # each commit keeps its own tree: old ids stay readable
+        repo["branches"][revision] = oid
         return 200, {"commitUrl": f"{self.endpoint}/{repo_id}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None}
 
+    def find_commit(self, repo_id, revision):
+        """(commit id, None) or (None, the 404 answer); the X-Error-Code is what huggingface_hub turns into
+        RepositoryNotFoundError / RevisionNotFoundError."""
+        repo = self.repos.get(repo_id)
+        if repo is None:
+            return None, (404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
+        oid = repo["branches"].get(revision, revision if revision in repo["trees"] else None)
+        if oid is None:
+            return None, (404, {"error": f"Invalid rev id: {revision}"}, {"X-Error-Code": "RevisionNotFound"})
+        return oid, None
+
+    def model_info(self, repo_id, revision):
+        oid, missing = self.find_commit(repo_id, revision)
+        if missing:
+            return missing
+        siblings = [{"rfilename": path} for path in sorted(self.repos[repo_id]["trees"][oid])]
+        return 200, {"id": repo_id, "sha": oid, "private": self.repos[repo_id]["private"], "siblings": siblings}
+
+    def resolve(self, repo_id, revision, path):
+        """A file as `get_hf_file_metadata` reads it: X-Repo-Commit and ETag (the git blob id, as the Hub gives for
+        non-LFS files) are required, Content-Length is the size. A missing file is an EntryNotFound 404 (has_file:
+        False)."""
+        oid, missing = self.find_commit(repo_id, revision)
+        if missing:
+            return missing
+        content = self.repos[repo_id]["trees"][oid].get(path)
+        if content is None:  # X-Repo-Commit here lets huggingface_hub cache the miss under .no_exist/<commit>
+            return 404, {"error": "Entry not found"}, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": oid}
+        blob_id = hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+        return 200, content, {"ETag": f'"{blob_id}"', "X-Repo-Commit": oid, "Content-Type": "application/octet-stream"}
+
     def route(self, method: str, path: str, raw: bytes):
+        info = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
+        if method == "GET" and info:
+            return self.model_info(info.group(1), unquote(info.group(2) or "main"))
+        download = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+        if method in ("GET", "HEAD") and download:
+            return self.resolve(*(unquote(group) for group in download.groups()))
         if method != "POST":
-            return 405, {"error": f"{method} is not served by this fake"}
+            return 405, {"error": f"{method} {path} is not served by this fake"}
         name = "create_repo" if path == "/api/repos/create" else path.split("/")[-2]
         if name in self.fail:
             return self.fail[name], {"error": f"{name} refused by the fake Hub (HTTP {self.fail[name]})"}
@@ -144,17 +197,23 @@ class FakeHub:
             def do_GET(self):
                 self._answer()
 
+            def do_HEAD(self):  # the same status and headers as GET, no body
+                self._answer()
+
             def _answer(self):
                 path = urlsplit(self.path).path
                 hub.requests.append((self.command, path, self.headers.get("Authorization")))
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                status, body = hub.route(self.command, path, raw)
-                payload = json.dumps(body).encode()
+                status, body, *headers = hub.route(self.command, path, raw)
+                payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+                headers = {"Content-Type": "application/json"} | (headers[0] if headers else {})
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                for key, value in headers.items():
+                    self.send_header(key, value)
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
-                self.wfile.write(payload)
+                if self.command != "HEAD":
+                    self.wfile.write(payload)
 
             def log_message(self, *args):  # keep test output quiet
                 pass

@@ -265,3 +265,56 @@ def test_failed_upload_keeps_the_folder_and_exits_nonzero(workdir, checkpoint_di
     assert hub.commits == []
     assert set(files_in(output_dir)) == EXPECTED_FILES
     CarryoverDrafterModel.from_pretrained(output_dir)  # still loads
+
+
+# argv: repo id, target folder, number of tokens. The README's two calls with a Hub repo id; prints one JSON line.
+FROM_THE_HUB = BLOCK_PROJECT_IMPORTS + '''
+import json
+
+import torch
+from transformers import AutoModel, AutoModelForCausalLM
+
+repo_id, target_path, num_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+drafter = AutoModel.from_pretrained(repo_id, trust_remote_code=True)
+input_ids = torch.arange(1, 9)[None] % target.config.vocab_size
+inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+expected = target.generate(**inputs, max_new_tokens=num_tokens, do_sample=False)
+out = target.generate(**inputs, assistant_model=drafter, custom_generate=repo_id, trust_remote_code=True,
+                      max_new_tokens=num_tokens, do_sample=False)
+print(json.dumps({"lossless": torch.equal(expected, out), "new_tokens": out.shape[1] - input_ids.shape[1],
+                  "drafter_module": type(drafter).__module__, "rounds": drafter.generation_stats.num_rounds}))
+'''
+
+
+def test_published_repo_loads_and_decodes_from_the_hub(workdir, checkpoint_dir, target_dir, tmp_path):
+    """After `publish`, a fresh process with an empty cache, where this project cannot be imported, downloads the
+    drafter and its custom_generate/ from the (fake) Hub and decodes exactly the target's greedy tokens."""
+    with FakeHub(max_requests=100) as hub:
+        done = run_publish(
+            workdir, workdir / "published", HF_ENDPOINT=hub.endpoint, HF_TOKEN="hf_fake_token", HF_HUB_OFFLINE="0"
+        )
+        assert done.returncode == 0, done.stderr
+        uploads = len(hub.requests)
+        env = clean_env(
+            tmp_path / "hf_home", HF_ENDPOINT=hub.endpoint, HF_HUB_OFFLINE="0", HF_HUB_CACHE=str(tmp_path / "hub"),
+            HF_MODULES_CACHE=str(tmp_path / "modules"),
+        )
+        loaded = subprocess.run(
+            [sys.executable, "-c", FROM_THE_HUB, REPO_ID, str(target_dir), "12"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        )
+    assert loaded.returncode == 0, loaded.stderr
+    result = json.loads(loaded.stdout.strip().splitlines()[-1])
+    assert result["lossless"] and result["new_tokens"] == 12 and result["rounds"] > 0
+    assert result["drafter_module"].startswith("transformers_modules.me.tiny_hyphen_carryover.")
+    # the fresh process only read, pinned to the commit just made, and got the committed bytes (its cache was empty)
+    assert {method for method, _, _ in hub.requests[uploads:]} <= {"HEAD", "GET"}
+    head = hub.repos[REPO_ID]["branches"]["main"]
+    assert f"/{REPO_ID}/resolve/{head}/model.safetensors" in {path for _, path, _ in hub.requests[uploads:]}
+    snapshot = tmp_path / "hub" / "models--me--tiny-carryover" / "snapshots" / head
+    downloaded = files_in(snapshot)
+    assert {"config.json", "model.safetensors", "modeling_carryover.py", "custom_generate/generate.py"} <= set(
+        downloaded
+    )
+    assert downloaded.items() <= hub.commits[0].files.items()

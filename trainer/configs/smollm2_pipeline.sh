@@ -8,10 +8,10 @@ cd "$(dirname "$0")/../.."
 if [ "${SCALE:-full}" = small ]; then
   PROMPTS=48; EPOCHS=1; CONTINUE_EPOCHS=1; LIMIT=2; NEW_TOKENS=32; OUT=runs/smollm2-small
 else
-  PROMPTS=1200; EPOCHS=3; CONTINUE_EPOCHS=1; LIMIT=16; NEW_TOKENS=96; OUT=runs/smollm2
+  PROMPTS=640; EPOCHS=3; CONTINUE_EPOCHS=1; LIMIT=16; NEW_TOKENS=96; OUT=runs/smollm2
 fi
 DATA=data/smollm2-magpie-$PROMPTS
-COMMON=(--dataset "$DATA" --max_seq_length 512 --num_draft_layers 2 --block_size 8 --num_anchors 32
+COMMON=(--dataset "$DATA" --target_dtype bfloat16 --max_seq_length 512 --num_draft_layers 2 --block_size 8 --num_anchors 32
         --per_device_train_batch_size 4 --learning_rate 6e-4 --warmup_steps 0.04 --lr_scheduler_type cosine
         --logging_steps 10 --save_steps 100 --save_total_limit 1 --report_to none --seed 0)
 
