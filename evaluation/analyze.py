@@ -30,9 +30,11 @@ from tqdm.auto import tqdm
 
 from evaluation.benchmarks import EMBEDDED, encode_prompt, load_benchmark
 from evaluation.plots import plot_attention, plot_recall, plot_reconvergence
-from evaluation.run import load_drafters, parse_arguments, parse_drafter, provenance, tau, to_json
+from evaluation.run import load_drafters, parse_drafter, provenance, tau, to_json
 from modeling_carryover import generate as carryover_generate
+from trainer.cli import parse_arguments
 from trainer.targets import load_target
+from trainer.objectives import context_visibility
 from trainer.verification import target_pass, verify_branches
 
 COMMANDS = ("recall", "reconvergence", "attention")
@@ -150,7 +152,7 @@ def replay(target, drafter, recording: Recording, carried=None, top_k=16, attent
             block_position_ids,
             context_features=features[:, :num_context],
             context_position_ids=context_position_ids[None],
-            context_mask=context_position_ids[None, None, :] < anchors[..., None],
+            context_mask=context_visibility(torch.ones_like(features[..., :num_context, 0]), anchors),
             output_attentions=attention,
             **carried_kwargs,
         )
@@ -402,7 +404,7 @@ def parse_args(argv=None) -> tuple[str, AnalysisArguments]:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:
         raise SystemExit(f"usage: analyze.py {{{','.join(COMMANDS)}}} [--flags | config.json | config.yaml]")
-    return argv[0], parse_arguments(AnalysisArguments, argv[1:])
+    return argv[0], parse_arguments(AnalysisArguments, argv[1:])[0]
 
 
 def main(argv=None) -> dict:

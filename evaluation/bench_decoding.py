@@ -6,8 +6,9 @@
 
 On the same prompts, in one run, interleaved per prompt: plain greedy decoding, carryover ON and carryover OFF with
 the same weights. Reports drafting time per round ON vs OFF (t_reuse = ON - OFF, also by number of carried rows),
-and for each mode the share of wall time spent outside the target's and the drafter's forward passes (the Python
-and bookkeeping overhead of the decoding loop). Writes a JSON file; prints a table. A benchmark, not a test: the
+and for each mode the share of wall time spent outside model computation: the target's forward, the drafter's
+forward, and the target's LM head and embedding applied to the drafter's blocks (what is left is the Python and
+bookkeeping overhead of the decoding loop). Writes a JSON file; prints a table. A benchmark, not a test: the
 numbers are machine- and load-dependent; compare ratios measured in the same run.
 """
 
@@ -27,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
 from evaluation.benchmarks import encode_prompt, load_benchmark
-from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
+from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel, GenerationStats
 from modeling_carryover import generate as carryover_generate
 from modeling_carryover.generation_carryover import _synchronize
 from trainer.targets import load_target
@@ -48,10 +49,11 @@ class BenchArguments:
 
 
 class ForwardTimer:
-    """Wall time spent inside a module's forward (hooks; CUDA-synchronised)."""
+    """Wall time spent inside a module's forward (hooks; CUDA-synchronised); with `outside`, only the calls made while
+    that other timer's module is not running (the target's LM head called by the drafter, not by the target)."""
 
-    def __init__(self, module):
-        self.seconds, self.calls, self._start = 0.0, 0, None
+    def __init__(self, module, outside=None):
+        self.seconds, self.calls, self.active, self.outside = 0.0, 0, False, outside
         device = next(module.parameters()).device
         self.handles = [
             module.register_forward_pre_hook(lambda *_: self._begin(device)),
@@ -59,13 +61,18 @@ class ForwardTimer:
         ]
 
     def _begin(self, device):
+        if self.outside is not None and self.outside.active:
+            return
         _synchronize(device)
-        self._start = time.perf_counter()
+        self.active, self._start = True, time.perf_counter()
 
     def _end(self, device):
+        if not self.active:
+            return
         _synchronize(device)
         self.seconds += time.perf_counter() - self._start
         self.calls += 1
+        self.active = False
 
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
@@ -91,6 +98,8 @@ def main(argv=None):
     drafter = benchmark_drafter(args, target).to(device=target.device, dtype=dtype).eval()
     prompts = load_benchmark(args.benchmark, subsets=[args.subset], limit=args.num_prompts)[args.subset]
     target_timer, drafter_timer = ForwardTimer(target), ForwardTimer(drafter)
+    # the drafter's logits and block embeddings come from the target's LM head and embedding, called directly
+    head_timers = [ForwardTimer(m, outside=target_timer) for m in (target.get_output_embeddings(), target.get_input_embeddings())]
 
     modes = {"plain": None, "carryover_on": True, "carryover_off": False}
     totals = {mode: defaultdict(float) for mode in modes}
@@ -99,7 +108,8 @@ def main(argv=None):
         inputs = encode_prompt(tokenizer, prompt).to(target.device)
         order = list(modes)[index % 3 :] + list(modes)[: index % 3]  # rotate: share the machine's drift
         for mode in order:
-            target_timer.take(), drafter_timer.take()
+            for timer in (target_timer, drafter_timer, *head_timers):
+                timer.take()
             _synchronize(target.device)
             started = time.perf_counter()
             if modes[mode] is None:
@@ -114,11 +124,12 @@ def main(argv=None):
             totals[mode]["wall_seconds"] += time.perf_counter() - started
             totals[mode]["target_forward_seconds"] += target_timer.take()
             totals[mode]["drafter_forward_seconds"] += drafter_timer.take()
+            totals[mode]["drafter_head_seconds"] += sum(timer.take() for timer in head_timers)
             totals[mode]["new_tokens"] += out.shape[1] - inputs["input_ids"].shape[1]
 
     report = {"settings": asdict(args), "device": str(target.device), "torch_threads": torch.get_num_threads(), "modes": {}}
     for mode, total in totals.items():
-        inside = total["target_forward_seconds"] + total["drafter_forward_seconds"]
+        inside = total["target_forward_seconds"] + total["drafter_forward_seconds"] + total["drafter_head_seconds"]
         entry = dict(total) | {
             "tokens_per_second": total["new_tokens"] / total["wall_seconds"],
             "share_outside_forwards": 1 - inside / total["wall_seconds"],
@@ -126,7 +137,7 @@ def main(argv=None):
         if rounds[mode]:
             entry |= {
                 "rounds": len(rounds[mode]),
-                "acceptance_length": statistics.fmean(r.accepted + 1 for r in rounds[mode]),
+                "acceptance_length": GenerationStats(rounds[mode]).acceptance_length,
                 "draft_seconds_per_round": statistics.fmean(r.draft_seconds for r in rounds[mode]),
                 "verify_seconds_per_round": statistics.fmean(r.verify_seconds for r in rounds[mode]),
                 "carried_rows_per_round": statistics.fmean(r.carried for r in rounds[mode]),

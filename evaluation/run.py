@@ -35,13 +35,14 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModel, HfArgumentParser
+from transformers import AutoModel
 
 from evaluation.benchmarks import EMBEDDED, encode_prompt, load_benchmark
 from evaluation.plots import plot_acceptance_by_position, plot_latency, plot_tau
 from modeling_carryover import GenerationStats
 from modeling_carryover import generate as carryover_generate
 from modeling_carryover.generation_carryover import _synchronize
+from trainer.cli import parse_arguments
 from trainer.targets import load_target
 
 PLAIN = "plain"
@@ -410,18 +411,8 @@ def provenance(settings: dict, device) -> dict:
     }
 
 
-def parse_arguments(dataclass_type, argv: list[str]):
-    """An instance of `dataclass_type` from command-line flags, or from one JSON or YAML file with the same fields."""
-    parser = HfArgumentParser(dataclass_type)
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(argv[0])[0]
-    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
-        return parser.parse_yaml_file(argv[0])[0]
-    return parser.parse_args_into_dataclasses(argv)[0]
-
-
 def main(argv=None) -> dict:
-    args = parse_arguments(EvalArguments, sys.argv[1:] if argv is None else argv)
+    (args,) = parse_arguments(EvalArguments, argv)
     specs = [parse_drafter(spec) for spec in args.drafters]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)

@@ -167,7 +167,7 @@ def from_dflash(config: dict, weights: dict[str, torch.Tensor]) -> CarryoverDraf
         block_size=config.get("block_size") or _required(dflash, "block_size", "z-lab DFlash"),
         mask_token_id=_required(dflash, "mask_token_id", "z-lab DFlash dflash_config"),
     )
-    return build_drafter(drafter_config, weights, "z-lab DFlash")
+    return drafter_from_weights(drafter_config, weights, "z-lab DFlash")
 
 
 def from_dspark(config: dict, weights: dict[str, torch.Tensor], init_only: bool = False) -> CarryoverDrafterModel:
@@ -193,7 +193,7 @@ def from_dspark(config: dict, weights: dict[str, torch.Tensor], init_only: bool 
         markov_rank=rank,
     )
     weights = markov_weights(weights, drafter_config, bool(config.get("confidence_head_with_markov")), source)
-    return build_drafter(drafter_config, weights, source)
+    return drafter_from_weights(drafter_config, weights, source)
 
 
 def from_speculators(config: dict, weights: dict[str, torch.Tensor], init_only: bool = False) -> CarryoverDrafterModel:
@@ -229,7 +229,7 @@ def from_speculators(config: dict, weights: dict[str, torch.Tensor], init_only: 
         markov_rank=rank,
     )
     weights = markov_weights(weights, drafter_config, config.get("confidence_head_with_markov", True), source)
-    return build_drafter(drafter_config, weights, source)
+    return drafter_from_weights(drafter_config, weights, source)
 
 
 def check_block_layout(sample_from_anchor: bool, source: str, init_only: bool) -> None:
@@ -314,7 +314,7 @@ def markov_weights(weights: dict, config: CarryoverDrafterConfig, confidence_wit
     return ours
 
 
-def build_drafter(config: CarryoverDrafterConfig, weights: dict[str, torch.Tensor], source: str):
+def drafter_from_weights(config: CarryoverDrafterConfig, weights: dict[str, torch.Tensor], source: str):
     """Our drafter holding `weights` (our names) in their dtype; E_carry stays zero. Missing, unexpected or misshapen
     tensors are a clear error: the checkpoint does not match its own config."""
     model = CarryoverDrafterModel(config)

@@ -24,8 +24,9 @@ from transformers import HfArgumentParser
 from hub.convert import import_drafter
 from hub.model_card import render_model_card
 from modeling_carryover import CarryoverDrafterModel
+from trainer.carryover_trainer import TRAINING_SETTINGS_FILE as TRAINING_ARGUMENTS_FILE
+from trainer.targets import resolve_target_path
 
-TRAINING_ARGUMENTS_FILE = "carryover_training.json"  # written by the trainer next to its checkpoints
 EVAL_REPORT_FILE = "eval_report.json"
 CHECK_TOKENS = 8
 
@@ -162,7 +163,7 @@ def check_in_fresh_process(folder: Path, target: str) -> dict:
     """Load the folder with trust_remote_code in a new interpreter where this project is unimportable, and decode
     `CHECK_TOKENS` tokens with the drafter against the target's own greedy decoding."""
     done = subprocess.run(
-        [sys.executable, "-c", FRESH_PROCESS_CHECK, str(folder.resolve()), target, str(CHECK_TOKENS)],
+        [sys.executable, "-c", FRESH_PROCESS_CHECK, str(folder.resolve()), resolve_target_path(target), str(CHECK_TOKENS)],
         cwd=tempfile.gettempdir(),  # `python -c` puts the working directory first on sys.path: keep it neutral
         capture_output=True,
         text=True,

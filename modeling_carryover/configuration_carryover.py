@@ -54,13 +54,16 @@ class CarryoverDrafterConfig(PreTrainedConfig):
         mask_token_id (`int`): target token id whose embedding fills the masked block slots (ideally an unused
             token, e.g. 151669 for Qwen3).
         carryover (`bool`): default for decoding: recycle the previous round's rejected target states as one round
-            of extra context. Can be switched per `generate` call (`carryover=False` gives the same weights OFF).
+            of extra context. Off for a new, baseline or imported drafter; carryover training turns it on. Can be
+            switched per `generate` call (`carryover=False` gives the same weights OFF).
         carryover_interface (`str`): how carried rows are told apart from committed context:
             `"embedding"` (the paper's `E_carry`: one learned vector added to the rejected features before `F`),
             `"none"` (no marker), or `"projector"` (a separate, zero-initialised linear map added to `fc` for the
             carried rows; the paper's Table 3b ablation).
         markov_rank (`int`): 0 for a plain DFlash drafter; `r > 0` adds the DSpark-style first-order correction
-            `lm_head(h_k) + W2(W1[x_{k-1}])` of rank `r` and its confidence head.
+            `lm_head(h_k) + W2(W1[x_{k-1}])` of rank `r` and its confidence head (trained with DSpark's objective
+            and exported with the head; decoding always proposes `block_size - 1` tokens, as in the paper, which
+            disables confidence scheduling).
         target_model_type (`str`, *optional*): `model_type` of the target the drafter was built for (provenance).
     """
 
@@ -83,7 +86,7 @@ class CarryoverDrafterConfig(PreTrainedConfig):
     num_target_layers: int = 32
     block_size: int = 16
     mask_token_id: int = 0
-    carryover: bool = True
+    carryover: bool = False
     carryover_interface: str = "embedding"
     markov_rank: int = 0
     target_model_type: str | None = None
@@ -119,6 +122,9 @@ class CarryoverDrafterConfig(PreTrainedConfig):
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}).")
         if self.carryover_interface not in CARRYOVER_INTERFACES:
             raise ValueError(f"carryover_interface must be one of {CARRYOVER_INTERFACES}, got {self.carryover_interface!r}.")
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type in ("dynamic", "longrope"):
+            raise ValueError(f"rope_type {rope_type!r} depends on the sequence length; the drafter supports static RoPE.")
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}.")
         if self.num_attention_heads % self.num_key_value_heads:

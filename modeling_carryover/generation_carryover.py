@@ -6,8 +6,9 @@ unchanged, as `custom_generate/generate.py` next to every checkpoint, so that
     target.generate(**inputs, assistant_model=drafter, custom_generate=<drafter folder or repo>, trust_remote_code=True)
 
 decodes with carryover in a process where this project is not installed. It talks to the drafter only through the
-drafter's own methods (`target_features`, `block_inputs`, `rejected_rows`, `forward`, `markov_correction`), so the
-concepts they define are the ones training uses too.
+drafter's own methods (`check_target`, `feature_hidden_state_indices`, `target_features`, `block_inputs`,
+`rejected_rows`, `forward`, `greedy_drafts`, `markov_correction`), so the concepts they define are the ones training
+uses too.
 
 Each round (batch size 1, like all assisted generation in transformers):
   1. the target's last verification forward returned hidden states for the window `[anchor, draft_1 .. draft_c]`;
@@ -155,6 +156,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
             drafts = self.drafter.greedy_drafts(logits, input_ids[0, -1].to(logits.device))
             return torch.cat([input_ids, drafts[None].to(input_ids.device)], dim=-1), None
         sequence, previous, chosen_from = input_ids, input_ids[:, -1], []
+        logits = logits.to(input_ids.device)  # processors index with the sequence
         for slot_logits in logits.split(1):  # [1, V]
             if self.use_markov:
                 correction = self.drafter.markov_correction(previous.to(self.drafter.device))
@@ -175,12 +177,11 @@ class CarryoverCandidateGenerator(CandidateGenerator):
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
         if is_first_iteration:  # no target features yet: the target prefills and emits the first token itself
             return input_ids, None
+        started = time.perf_counter()
         self._absorb_verification(input_ids, model_outputs)
         num_drafts = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)  # leave room for the bonus
         if num_drafts <= 0:
             return input_ids, None
-
-        started = time.perf_counter()
         candidates, candidate_logits = self._propose(input_ids, num_drafts)
         _synchronize(self.drafter.device)
         self.verify_started = time.perf_counter()

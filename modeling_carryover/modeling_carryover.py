@@ -25,7 +25,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import ModelOutput
 
 from .configuration_carryover import CarryoverDrafterConfig
-from .generation_carryover import generate as carryover_generate
+from .generation_carryover import generate as carryover_generate  # its file is saved as custom_generate/generate.py
 
 USAGE_HINT = (
     "A CarryoverDrafterModel is not a stand-alone assistant model: it drafts from the target's hidden states, which "
@@ -431,10 +431,6 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         return torch.sigmoid(self.confidence_head(features).squeeze(-1))
 
     # -- decoding and checkpoints -------------------------------------------------------------------------------
-
-    def carryover_generate(self, target, *args, **kwargs):
-        """`target.generate` with this drafter and carryover decoding (kwargs as for `generate`, plus `carryover=`)."""
-        return carryover_generate(target, *args, assistant_model=self, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save weights, config (with `auto_map`), the model code and `custom_generate/generate.py`, so that the

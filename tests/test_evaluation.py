@@ -67,7 +67,7 @@ def workspace(tmp_path_factory):
     target.save_pretrained(root / "target")
     tiny_tokenizer().save_pretrained(root / "target")
     make_drafter(target, seed=1).save_pretrained(root / "baseline")
-    make_drafter(target, seed=2).save_pretrained(root / "carryover")
+    make_drafter(target, seed=2, carryover=True).save_pretrained(root / "carryover")  # as after carryover training
     make_drafter(make_target(hidden_size=32), seed=3).save_pretrained(root / "other")  # built for another target
     write_benchmark(root / "bench")
     return root

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO_ROOT, make_drafter, make_target
 from hub.convert import export_dflash, export_speculators, import_drafter
+import modeling_carryover as mc
 from modeling_carryover import CarryoverDrafterModel
 
 # z-lab-format drafter for the tiny Qwen3 target (4 layers, hidden 64, vocab 96). Layer ids [0, 2] are asymmetric
@@ -173,7 +174,7 @@ def prefix_hidden_states(target, sequence, length):
 
 
 def generate_with(drafter, target, prompt, max_new_tokens=16):
-    return drafter.carryover_generate(target, prompt, max_new_tokens=max_new_tokens, do_sample=False, carryover=False)
+    return mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False, carryover=False)
 
 
 PROMPT = torch.tensor([[3, 17, 42, 8, 61, 5, 29]])

@@ -95,19 +95,20 @@ def test_resume_gives_the_same_weights(tiny_setup, tmp_path, carryover):
     assert (tmp_path / "interrupted" / "checkpoint-3" / "custom_generate" / "generate.py").exists()
 
 
-def test_torchrun_two_processes_keep_identical_weights(tiny_setup, tmp_path):
+@pytest.mark.parametrize("markov_rank", [0, 8])  # the Markov head's loss runs outside the DDP-wrapped forward
+def test_torchrun_two_processes_keep_identical_weights(tiny_setup, tmp_path, markov_rank):
     root, _ = tiny_setup
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(29517 + markov_rank),
         "tests/scripts/ddp_train.py", str(tmp_path),
-        *cli_args(root, tmp_path / "out", "--max_steps", "4", "--save_strategy", "no", "--carryover"),
+        *cli_args(root, tmp_path / "out", "--max_steps", "4", "--save_strategy", "no", "--carryover", "--markov_rank", str(markov_rank)),
     ]
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 2" in result.stdout
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
-    initial = make_drafter(make_target("llama"), block_size=4).state_dict()
+    initial = make_drafter(make_target("llama"), block_size=4, markov_rank=markov_rank).state_dict()
     changed = 0
     for name, weight in rank0.items():
         torch.testing.assert_close(weight, rank1[name], atol=0, rtol=0, msg=name)

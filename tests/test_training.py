@@ -166,7 +166,7 @@ def _batch_of(target, drafter, sequence, markov=False):
         attention_mask=torch.ones_like(sequence),
         loss_mask=torch.ones_like(sequence),
         features=drafter.target_features(recorded.hidden_states),
-        target_probs_hidden=None,
+        target_final_hidden=None,
     )
     return batch, recorded
 
@@ -357,3 +357,32 @@ def test_chunked_loss_equals_one_pass(markov_rank):
     torch.testing.assert_close(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("markov_rank", [0, 8])
+def test_draft_verify_draft_reproduces_two_decoding_rounds(markov_rank):
+    """Algorithm 2 against Algorithm 1 end to end: from a round that carried nothing (the first, or one after a full
+    acceptance), the training transition (detached draft, parallel verification, shifted anchor, rejected rows)
+    followed by the second drafter pass proposes exactly what carryover decoding proposed in the next round."""
+    target, drafter, dataset = trained_drafter("llama", 8, markov_rank)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    checked = 0
+    for row in dataset.select(range(8)):
+        sequence = mc.generate(target, torch.tensor([row["input_ids"][:6]]), assistant_model=drafter, max_new_tokens=60)
+        rounds = drafter.generation_stats.rounds
+        batch, recorded = _batch_of(target, drafter, sequence)
+        for current, following in zip(rounds, rounds[1:]):
+            if current.carried or current.proposed != 7 or current.accepted == current.proposed:
+                continue
+            anchors, valid = torch.tensor([[current.anchor_position]]), torch.tensor([[True]])
+            transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=4)
+            assert transition.accepted_len.item() == current.accepted
+            assert transition.shifted_anchor_positions.item() == following.anchor_position
+            assert transition.carried[2].sum().item() == following.carried
+            with torch.no_grad():
+                hidden = drafter_hidden(drafter, embed, batch, transition.shifted_anchor_positions, valid, transition.carried)
+                anchor_id = sequence[0, following.anchor_position]
+                drafts = drafter.greedy_drafts(lm_head(hidden[0, 0, : following.proposed]), anchor_id)
+            assert drafts.tolist() == following.drafts
+            checked += 1
+    assert checked >= 3

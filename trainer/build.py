@@ -1,5 +1,6 @@
 """Building the drafter to train (new, from a checkpoint, or initialised from the target) and the training rows."""
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,31 +12,52 @@ from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
 from .data import MANIFEST, load_regenerated, load_rows
 
 
+# DrafterArguments field -> CarryoverDrafterConfig field
+ARCHITECTURE_FIELDS = {
+    "num_draft_layers": "num_hidden_layers",
+    "block_size": "block_size",
+    "target_layer_ids": "target_layer_ids",
+    "mask_token_id": "mask_token_id",
+    "intermediate_size": "intermediate_size",
+    "markov_rank": "markov_rank",
+    "carryover_interface": "carryover_interface",
+}
+
+
 @dataclass
 class DrafterArguments:
+    """The drafter's architecture (a new drafter; unset fields take the defaults in brackets) or a checkpoint to
+    continue from (then only `carryover_interface` may differ from the checkpoint's: the ablation interfaces)."""
+
     drafter_checkpoint: str | None = field(
         default=None,
         metadata={"help": "Continue from this drafter checkpoint (e.g. the baseline, for carryover training)."},
     )
-    num_draft_layers: int = field(default=1, metadata={"help": "Decoder layers of a new drafter (the paper: 5)."})
-    block_size: int = field(default=16, metadata={"help": "Block size of a new drafter: block_size - 1 drafts."})
+    num_draft_layers: int | None = field(default=None, metadata={"help": "Decoder layers [1; the paper: 5]."})
+    block_size: int | None = field(default=None, metadata={"help": "Block size: block_size - 1 drafts per round [16]."})
     target_layer_ids: list[int] | None = field(
-        default=None, metadata={"help": "0-based target layers whose outputs are the features (default: DFlash's rule)."}
+        default=None, metadata={"help": "0-based target layers whose outputs are the features [DFlash's rule]."}
     )
     mask_token_id: int | None = field(default=None, metadata={"help": "Token whose embedding fills the MASK slots."})
-    intermediate_size: int | None = field(default=None, metadata={"help": "MLP width (default: the target's)."})
-    markov_rank: int = field(default=0, metadata={"help": "> 0: the DSpark-style Markov head of this rank."})
-    carryover_interface: str = field(default="embedding", metadata={"choices": ["embedding", "none", "projector"]})
+    intermediate_size: int | None = field(default=None, metadata={"help": "MLP width [the target's]."})
+    markov_rank: int | None = field(default=None, metadata={"help": "> 0: the DSpark-style Markov head of this rank [0]."})
+    carryover_interface: str | None = field(
+        default=None, metadata={"help": "How carried rows are marked [embedding].", "choices": ["embedding", "none", "projector"]}
+    )
     init_from_target: bool = field(
         default=True,
         metadata={"help": "A new drafter starts from the target's last decoder layers, fc passing the last feature."},
     )
 
+    def overrides(self) -> dict:
+        """The config fields these arguments set explicitly."""
+        return {key: getattr(self, name) for name, key in ARCHITECTURE_FIELDS.items() if getattr(self, name) is not None}
+
 
 @torch.no_grad()
 def init_from_target(drafter: CarryoverDrafterModel, target) -> None:
     """Start the drafter from the target's last `num_hidden_layers` decoder layers and final norm, with `fc` passing
-    the last feature layer through: far lower initial loss than a random start (anchors.md, section 7)."""
+    the last feature layer through: a much lower initial loss than a random start (measured on SmolLM2: 75 -> 14.5)."""
     target_layers = target.get_decoder().layers
     n = len(drafter.layers)
     for layer, source in zip(drafter.layers, target_layers[-n:]):
@@ -53,24 +75,33 @@ def init_from_target(drafter: CarryoverDrafterModel, target) -> None:
 
 
 def build_drafter(target, args: DrafterArguments) -> CarryoverDrafterModel:
-    """A drafter for `target`: loaded from `drafter_checkpoint` (float32 master weights) or new."""
-    if args.drafter_checkpoint:
-        drafter = CarryoverDrafterModel.from_pretrained(args.drafter_checkpoint, dtype=torch.float32)
-        drafter.check_target(target.config)
+    """A drafter for `target`: new, or loaded from `drafter_checkpoint` (float32 master weights)."""
+    if not args.drafter_checkpoint:
+        drafter = CarryoverDrafterModel(CarryoverDrafterConfig.from_target_config(target.config, **args.overrides()))
+        if args.init_from_target:
+            init_from_target(drafter, target)
         return drafter
-    overrides = {
-        "num_hidden_layers": args.num_draft_layers,
-        "block_size": args.block_size,
-        "markov_rank": args.markov_rank,
-        "carryover_interface": args.carryover_interface,
-    }
-    for name in ("target_layer_ids", "mask_token_id", "intermediate_size"):
-        if getattr(args, name) is not None:
-            overrides[name] = getattr(args, name)
-    drafter = CarryoverDrafterModel(CarryoverDrafterConfig.from_target_config(target.config, **overrides))
-    if args.init_from_target:
-        init_from_target(drafter, target)
-    return drafter
+    drafter = CarryoverDrafterModel.from_pretrained(args.drafter_checkpoint, dtype=torch.float32)
+    drafter.check_target(target.config)
+    changed = {k: v for k, v in args.overrides().items() if getattr(drafter.config, k) != v}
+    interface = changed.pop("carryover_interface", None)
+    if changed:
+        raise ValueError(
+            f"{args.drafter_checkpoint} has {', '.join(f'{k}={getattr(drafter.config, k)!r}' for k in changed)}; "
+            f"the arguments ask for {changed}. A checkpoint's architecture cannot change (only carryover_interface)."
+        )
+    return switch_carryover_interface(drafter, interface) if interface else drafter
+
+
+def switch_carryover_interface(drafter: CarryoverDrafterModel, interface: str) -> CarryoverDrafterModel:
+    """The same drafter with another carryover marker (Table 3b's ablation): every shared weight is kept, the new
+    marker starts at zero (so the drafter starts as with no marker), the old one is dropped."""
+    config = copy.deepcopy(drafter.config)
+    config.carryover_interface = interface
+    switched = CarryoverDrafterModel(config)
+    missing, _ = switched.load_state_dict(drafter.state_dict(), strict=False)
+    assert all(key.startswith(("carry_embedding", "carry_proj")) for key in missing), missing
+    return switched
 
 
 def load_training_rows(path: str) -> Dataset:

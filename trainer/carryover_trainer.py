@@ -73,6 +73,12 @@ class CarryoverTrainer(Trainer):
         if target_model is None:
             raise ValueError("CarryoverTrainer needs the frozen target: CarryoverTrainer(..., target_model=target).")
         kwargs.setdefault("data_collator", pad_collator)
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None and training_args.ddp_find_unused_parameters is None:
+            # Every trained parameter gets a gradient each step (the carry marker is frozen without carryover; carried
+            # rows are padded, never absent), but the Markov and confidence heads are applied outside the drafter's
+            # forward: DDP's unused-parameter search would mark them ready early, then again in backward.
+            training_args.ddp_find_unused_parameters = False
         super().__init__(*args, **kwargs)
         self.args.remove_unused_columns = False  # loss_mask is not a drafter forward argument
         self.carryover_args = carryover_args or CarryoverArguments()
@@ -100,7 +106,9 @@ class CarryoverTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self._carry_init_pending:
-            self._init_carry_embedding(inputs)
+            self._carry_init_pending = False
+            if self.state.global_step == 0:  # a resumed run keeps the E_carry it trained
+                self._init_carry_embedding(inputs)
         loss, metrics = training_step_loss(
             model,
             self.target_model,
@@ -111,8 +119,9 @@ class CarryoverTrainer(Trainer):
             chunk_size=self.carryover_args.verify_chunk_size,
         )
         prefix = "" if model.training else "eval_"
-        for name, value in metrics.items():
-            self._step_metrics[prefix + name].append(float(value))
+        values = self.accelerator.reduce(torch.stack([v.detach().float() for v in metrics.values()]), "mean")
+        for name, value in zip(metrics, values.tolist()):  # the mean over ranks, not rank 0's share
+            self._step_metrics[prefix + name].append(value)
         return (loss, None) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -130,8 +139,7 @@ class CarryoverTrainer(Trainer):
 
     @torch.no_grad()
     def _init_carry_embedding(self, inputs):
-        """Initialise E_carry once, before the first carryover step (see CarryoverArguments.carry_embedding_init)."""
-        self._carry_init_pending = False
+        """Initialise E_carry before the first carryover step (see CarryoverArguments.carry_embedding_init)."""
         drafter = self.accelerator.unwrap_model(self.model)
         if drafter.carry_embedding is None:
             return

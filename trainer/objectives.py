@@ -2,7 +2,7 @@
 
 Shapes: S responses, T tokens, N anchors per response, B block size, c = B - 1 draft slots, F feature width, V vocab.
 Everything the drafter sees (features, blocks, positions, carried rows) is built with the drafter's own methods, the
-ones decoding uses, so that training and decoding agree (tests/test_parity.py).
+ones decoding uses, so that training and decoding agree (the parity tests in tests/test_training.py).
 """
 
 from dataclasses import dataclass
@@ -78,7 +78,7 @@ class Batch:
     attention_mask: torch.LongTensor  # [S, T]
     loss_mask: torch.LongTensor  # [S, T]
     features: torch.Tensor  # [S, T, F]
-    target_probs_hidden: torch.Tensor | None  # [S, T, d] target's final hidden states (Markov objectives)
+    target_final_hidden: torch.Tensor | None  # [S, T, d] target's final hidden states (Markov objectives)
 
 
 def drafter_hidden(drafter, embed_tokens, batch: Batch, anchor_positions, anchor_valid, carried=None):
@@ -113,6 +113,11 @@ class LossSettings:
     markov_l1_weight: float = 0.9
     confidence_weight: float = 1.0
     chunk_size: int = 64  # blocks per LM-head chunk in the loss
+
+
+def chunks(length: int, size: int):
+    """Slices of `range(length)`, `size` at a time."""
+    return [slice(start, start + size) for start in range(0, length, size)]
 
 
 def apply_lm_head(lm_head, hidden):
@@ -151,8 +156,7 @@ def block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, 
     module = drafter_module(drafter)
     weights = position_weights(labels.shape[-1], settings.gamma, hidden.device) * label_valid  # [S, N, c]
     totals, num_correct = None, 0
-    for start in range(0, labels.shape[1], settings.chunk_size):
-        part = slice(start, start + settings.chunk_size)
+    for part in chunks(labels.shape[1], settings.chunk_size):
         inputs = (hidden[:, part], labels[:, part], prev_token_ids[:, part], None if target_hidden is None else target_hidden[:, part])
         if hidden.requires_grad:
             ce, correct, *markov = checkpoint(slot_terms, module, lm_head, *inputs, use_reentrant=False)
@@ -184,8 +188,8 @@ def blocks_at(batch: Batch, anchor_positions, anchor_valid, num_slots: int):
     prev_positions = anchor_positions.unsqueeze(-1) + torch.arange(num_slots, device=labels.device)
     prev_token_ids = gather_rows(batch.input_ids.unsqueeze(-1), prev_positions).squeeze(-1)
     target_hidden = None
-    if batch.target_probs_hidden is not None:
-        target_hidden = gather_rows(batch.target_probs_hidden, prev_positions)
+    if batch.target_final_hidden is not None:
+        target_hidden = gather_rows(batch.target_final_hidden, prev_positions)
     return labels, label_valid, prev_token_ids, target_hidden
 
 
@@ -213,7 +217,13 @@ def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded,
     with record_function("carryover.first_draft"):
         hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid)
         anchor_ids = torch.gather(batch.input_ids, 1, anchor_positions)
-        drafts = module.greedy_drafts(apply_lm_head(lm_head, hidden), anchor_ids)  # [S, N, c]
+        drafts = torch.cat(  # the LM head a chunk of anchors at a time: [S, N, c, V] logits never exist at once
+            [
+                module.greedy_drafts(apply_lm_head(lm_head, hidden[:, part]), anchor_ids[:, part])
+                for part in chunks(hidden.shape[1], chunk_size)
+            ],
+            dim=1,
+        )  # [S, N, c]
 
     indices = module.feature_hidden_state_indices
     with record_function("carryover.verify"):
@@ -222,8 +232,8 @@ def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded,
     agrees_with_record = ((drafts == labels) & label_valid).long().cumprod(-1).sum(-1)
     accepted_len = torch.minimum(verified.accepted_len, agrees_with_record)
 
-    branch_features = module.target_features(verified.hidden_states)  # [S, N, B, F]
-    branch_position_ids = anchor_positions.unsqueeze(-1) + torch.arange(num_slots + 1, device=drafts.device)
+    branch_features = module.target_features(verified.hidden_states)  # [S, N, B, F]: the verified blocks
+    _, branch_position_ids = module.block_inputs(anchor_ids, anchor_positions)
     carried = module.rejected_rows(branch_features, branch_position_ids, accepted_len)
 
     shifted = anchor_positions + accepted_len + 1
@@ -250,7 +260,7 @@ def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: Los
         attention_mask=attention_mask,
         loss_mask=loss_mask * attention_mask,
         features=module.target_features(recorded.hidden_states),
-        target_probs_hidden=layer_outputs(recorded.hidden_states, [num_layers - 1], num_layers)[0] if markov else None,
+        target_final_hidden=layer_outputs(recorded.hidden_states, [num_layers - 1], num_layers)[0] if markov else None,
     )
     num_slots = module.config.block_size - 1
     anchor_positions, anchor_valid = sample_anchors(batch.loss_mask, num_anchors)

@@ -10,12 +10,10 @@ arguments are accepted by `trainer/run.py`, which regenerates first and then tra
 """
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import HfArgumentParser
-
+from trainer.cli import parse_arguments
 from trainer.data import load_prompts, regenerate, synthesize_prompts, write_atomic
 from trainer.targets import EMBEDDED_TARGET, TargetArguments, load_target
 
@@ -88,12 +86,7 @@ def regenerate_from_args(target, tokenizer, args: RegenerationArguments, target_
 
 
 def main(argv=None):
-    parser = HfArgumentParser((TargetArguments, RegenerationArguments))
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        target_args, args = (parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file)(argv[0])
-    else:
-        target_args, args = parser.parse_args_into_dataclasses(argv)
+    target_args, args = parse_arguments((TargetArguments, RegenerationArguments), argv)
     if not args.prompts:
         raise SystemExit("--prompts is required: a file, a save_to_disk folder, a Hub dataset id, or 'magpie'")
     target, tokenizer = load_target(target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype)

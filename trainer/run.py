@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # `python trainer/run.py`: make the project importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import TrainingArguments
 
 from trainer.build import DrafterArguments, build_drafter, load_training_rows, prepare_rows
 from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer
+from trainer.cli import parse_arguments
 from trainer.regenerate import RegenerationArguments, regenerate_from_args
 from trainer.targets import TargetArguments, load_target
 
@@ -45,16 +46,10 @@ class DataArguments:
 ARGUMENT_CLASSES = (TargetArguments, DrafterArguments, DataArguments, RegenerationArguments, CarryoverArguments, TrainingArguments)
 
 
-def parse(argv=None):
-    parser = HfArgumentParser(ARGUMENT_CLASSES)
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        return (parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file)(os.path.abspath(argv[0]))
-    return parser.parse_args_into_dataclasses(argv)
-
-
 def main(argv=None):
-    target_args, drafter_args, data_args, regeneration_args, carryover_args, training_args = parse(argv)
+    target_args, drafter_args, data_args, regeneration_args, carryover_args, training_args = parse_arguments(
+        ARGUMENT_CLASSES, argv
+    )
     if not (data_args.dataset or regeneration_args.prompts):
         raise SystemExit("Give the training data: --dataset <folder>, or --prompts <source|magpie> to regenerate it.")
     regenerating = not data_args.dataset
