@@ -17,6 +17,7 @@ import torch
 import transformers
 from packaging import version
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -103,6 +104,48 @@ def block_attention(query, context_keys, context_values, own_keys, own_values, c
     )
     out = out.reshape(S, N, H, B, D).transpose(2, 3).reshape(S, N, B, H * D)
     return out, probs.view(S, N, H, B, T + J)
+
+
+def flex_block_mask(context_mask, own_mask, S, N, B, T, J, device):
+    """The FlexAttention BlockMask of the same visibility rule as `block_attention`, over the flattened layout:
+    queries are the N blocks' slots `[N*B]`, keys are `[T shared context rows ; N blocks' own rows (N*J)]`, and a
+    block's query sees a context row where `context_mask` allows it and its OWN rows only (where `own_mask` allows).
+    context_mask [S, N, T], own_mask [S, N, J] (True = visible) or None."""
+    if context_mask is None:
+        context_mask = torch.ones(S, N, T, dtype=torch.bool, device=device)
+    if own_mask is None:
+        own_mask = torch.ones(S, N, J, dtype=torch.bool, device=device)
+    context_mask = torch.cat([context_mask, context_mask.new_zeros(S, N, 1)], -1)  # a safe index when T = 0
+
+    def visible(s, h, q, kv):
+        n, own = q // B, kv - T
+        sees_context = context_mask[s, n, kv.clamp(max=T)] & (kv < T)
+        sees_own = own_mask[s, n, own % J] & (own >= 0) & (own // J == n)
+        return sees_context | sees_own
+
+    return create_block_mask(visible, S, None, N * B, T + N * J, device=device)
+
+
+_compiled_flex_attention = None
+
+
+def flex_block_attention(query, context_keys, context_values, own_keys, own_values, block_mask, scaling):
+    """`block_attention` through FlexAttention (no [.., B, T] score tensor is kept for backward): the same inputs,
+    flattened to one query sequence of N*B slots per sequence and one key sequence `[T ; N*J]`, with `block_mask`
+    from `flex_block_mask`. Returns the attention output [S, N, B, H*D] (no probabilities)."""
+    global _compiled_flex_attention
+    attend = flex_attention  # eager: a slow reference (and torch 2.13's CPU kernel template fails to build this mask)
+    if query.device.type != "cpu":
+        if _compiled_flex_attention is None:  # compiled once per process
+            _compiled_flex_attention = torch.compile(flex_attention)
+        attend = _compiled_flex_attention
+    S, N, H, B, D = query.shape
+    K, J = own_keys.shape[2], own_keys.shape[3]
+    q = query.transpose(1, 2).reshape(S, H, N * B, D)
+    keys = torch.cat([context_keys, own_keys.transpose(1, 2).reshape(S, K, N * J, D)], 2)
+    values = torch.cat([context_values, own_values.transpose(1, 2).reshape(S, K, N * J, D)], 2)
+    out = attend(q, keys, values, block_mask=block_mask, scale=scaling, enable_gqa=H != K)
+    return out.view(S, H, N, B, D).permute(0, 2, 3, 1, 4).reshape(S, N, B, H * D)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -205,7 +248,7 @@ class CarryoverAttention(nn.Module):
         values = self.v_proj(rows).view(shape).transpose(-3, -2)
         return apply_rotary(keys, *rope), values
 
-    def forward(self, hidden_states, context, carried, ropes, context_mask, own_mask, past_key_values):
+    def forward(self, hidden_states, context, carried, ropes, masks, past_key_values):
         S, N, B, _ = hidden_states.shape
         query = self.q_norm(self.q_proj(hidden_states).view(S, N, B, self.num_heads, self.head_dim)).transpose(2, 3)
         query = apply_rotary(query, *ropes["block"])  # [S, N, H, B, D]
@@ -223,9 +266,14 @@ class CarryoverAttention(nn.Module):
             block_keys = torch.cat([carried_keys, block_keys], dim=3)
             block_values = torch.cat([carried_values, block_values], dim=3)
 
-        out, probs = block_attention(
-            query, context_keys, context_values, block_keys, block_values, context_mask, own_mask, self.scaling
-        )
+        if masks.flex is not None:
+            out, probs = flex_block_attention(
+                query, context_keys, context_values, block_keys, block_values, masks.flex, self.scaling
+            ), None
+        else:
+            out, probs = block_attention(
+                query, context_keys, context_values, block_keys, block_values, masks.context, masks.own, self.scaling
+            )
         return self.o_proj(out), probs
 
 
@@ -237,13 +285,20 @@ class CarryoverDecoderLayer(nn.Module):
         self.input_layernorm = CarryoverRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = CarryoverRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, context, carried, ropes, context_mask, own_mask, past_key_values):
-        attn_out, probs = self.self_attn(
-            self.input_layernorm(hidden_states), context, carried, ropes, context_mask, own_mask, past_key_values
-        )
+    def forward(self, hidden_states, context, carried, ropes, masks, past_key_values):
+        attn_out, probs = self.self_attn(self.input_layernorm(hidden_states), context, carried, ropes, masks, past_key_values)
         hidden_states = hidden_states + attn_out
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states, probs
+
+
+@dataclass
+class AttentionMasks:
+    """Who sees whom, shared by all layers of one forward: the dense masks, or their FlexAttention BlockMask."""
+
+    context: torch.BoolTensor | None  # [S, N, T_all]
+    own: torch.BoolTensor | None  # [S, N, R + B]
+    flex: object | None = None  # BlockMask, when the model runs with attn_implementation="flex_attention"
 
 
 @dataclass
@@ -263,6 +318,11 @@ class CarryoverPreTrainedModel(PreTrainedModel):
     config: CarryoverDrafterConfig
     base_model_prefix = ""
     supports_gradient_checkpointing = False
+    _supports_flex_attn = True  # attn_implementation="flex_attention" (training on GPUs); default: the dense path
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return True  # the attention reads config._attn_implementation on every forward (transformers' check is textual)
     _no_split_modules = ["CarryoverDecoderLayer"]
 
     def _init_weights(self, module):
@@ -318,6 +378,12 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         return super().__getattr__(name)
 
     # -- the target interface ----------------------------------------------------------------------------------
+
+    def get_input_embeddings(self):
+        return None  # the target's embedding, which is not part of the drafter (FSDP asks)
+
+    def get_output_embeddings(self):
+        return None  # the target's LM head, likewise
 
     @property
     def feature_hidden_state_indices(self) -> list[int]:
@@ -396,10 +462,17 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         own_mask = None
         if carried_mask is not None:
             own_mask = torch.cat([carried_mask, carried_mask.new_ones(S, N, B)], dim=-1)
+        masks = AttentionMasks(context_mask, own_mask)
+        if self.config._attn_implementation == "flex_attention" and not output_attentions:
+            T = (0 if context is None else context.shape[-2]) + (
+                past_key_values.get_seq_length() if past_key_values is not None else 0
+            )
+            J = B + (0 if carried is None else carried.shape[-2])
+            masks.flex = flex_block_mask(context_mask, own_mask, S, N, B, T, J, block_embeds.device)
 
         attentions = ()
         for layer in self.layers:
-            hidden_states, probs = layer(hidden_states, context, carried, ropes, context_mask, own_mask, past_key_values)
+            hidden_states, probs = layer(hidden_states, context, carried, ropes, masks, past_key_values)
             if output_attentions:
                 attentions += (probs,)
         return CarryoverDrafterOutput(

@@ -95,18 +95,25 @@ def test_resume_gives_the_same_weights(tiny_setup, tmp_path, carryover):
     assert (tmp_path / "interrupted" / "checkpoint-3" / "custom_generate" / "generate.py").exists()
 
 
-@pytest.mark.parametrize("markov_rank", [0, 8])  # the Markov head's loss runs outside the DDP-wrapped forward
-def test_torchrun_two_processes_keep_identical_weights(tiny_setup, tmp_path, markov_rank):
-    root, _ = tiny_setup
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+def torchrun(root, weights_dir, port, *extra, env=None):
+    """trainer/run.py in 2 real processes (gloo); tests/scripts/ddp_train.py writes the trained weights."""
+    weights_dir.mkdir(exist_ok=True)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(29517 + markov_rank),
-        "tests/scripts/ddp_train.py", str(tmp_path),
-        *cli_args(root, tmp_path / "out", "--max_steps", "4", "--save_strategy", "no", "--carryover", "--markov_rank", str(markov_rank)),
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+        "tests/scripts/ddp_train.py", str(weights_dir),
+        *cli_args(root, weights_dir / "out", "--max_steps", "4", "--save_strategy", "no", "--carryover", *extra),
     ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 2" in result.stdout
+    return result.stdout
+
+
+@pytest.mark.parametrize("markov_rank", [0, 8])  # the Markov head's loss runs outside the DDP-wrapped forward
+def test_torchrun_two_processes_keep_identical_weights(tiny_setup, tmp_path, markov_rank):
+    root, _ = tiny_setup
+    torchrun(root, tmp_path, 29517 + markov_rank, "--markov_rank", str(markov_rank))
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     initial = make_drafter(make_target("llama"), block_size=4, markov_rank=markov_rank).state_dict()
     changed = 0
@@ -114,6 +121,32 @@ def test_torchrun_two_processes_keep_identical_weights(tiny_setup, tmp_path, mar
         torch.testing.assert_close(weight, rank1[name], atol=0, rtol=0, msg=name)
         changed += not torch.equal(weight, initial.get(name, weight))
     assert changed > 0  # they trained, and stayed identical
+
+
+def test_fsdp_shards_the_drafter_and_trains_like_ddp(tiny_setup, tmp_path):
+    """FSDP2 over 2 real processes shards every drafter weight, trains carryover with the Markov heads (applied
+    outside the sharded forward) and a feature-scaled E_carry exactly like DDP, and saves a full checkpoint that
+    decodes losslessly. (accelerate routes CPU runs to DDP; ddp_train.py lets its FSDP branch run on CPU.)"""
+    root, target = tiny_setup
+    extra = ("--markov_rank", "8", "--carry_embedding_init", "feature_rms")
+    torchrun(root, tmp_path / "ddp", 29521, *extra)
+    fsdp_config = tmp_path / "fsdp.json"
+    fsdp_config.write_text('{"version": 2}')
+    stdout = torchrun(
+        root, tmp_path / "fsdp", 29522, *extra, "--fsdp", "full_shard", "--fsdp_config", str(fsdp_config),
+        env={"CARRYOVER_TEST_CPU_FSDP": "1"},
+    )
+    assert "type DistributedType.FSDP sharded True" in stdout
+    ddp, fsdp = torch.load(tmp_path / "ddp" / "rank0.pt"), torch.load(tmp_path / "fsdp" / "rank0.pt")
+    assert ddp.keys() == fsdp.keys() and not torch.equal(ddp["carry_embedding"], torch.zeros_like(ddp["carry_embedding"]))
+    for name in ddp:
+        torch.testing.assert_close(fsdp[name], ddp[name], atol=1e-5, rtol=1e-4, msg=name)
+    drafter = mc.CarryoverDrafterModel.from_pretrained(tmp_path / "fsdp" / "out").eval()
+    for name, weight in drafter.state_dict().items():
+        torch.testing.assert_close(weight, fsdp[name], msg=name)
+    prompt = torch.tensor([[1, 5, 9, 2]])
+    expected = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    assert torch.equal(mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=24), expected)
 
 
 def test_bad_inputs_fail_before_writing_anything(tiny_setup, tmp_path):
@@ -145,6 +178,7 @@ def test_bad_inputs_fail_before_writing_anything(tiny_setup, tmp_path):
     make_drafter(make_target("llama", num_hidden_layers=2)).save_pretrained(other)
     fails("does not fit the target", "--drafter_checkpoint", str(other))
     fails("out of range", "--target_layer_ids", "0", "7")
+    fails("needs a GPU", "--attn_implementation", "flex_attention")
 
 
 def test_yaml_config_and_a_peft_adapter_on_the_target(tiny_setup, tmp_path):

@@ -76,6 +76,39 @@ def test_block_attention_equals_the_dense_training_mask():
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
 
+def test_flex_attention_equals_the_dense_path():
+    """attn_implementation="flex_attention" (the training path on GPUs) computes what the dense path computes, in the
+    training layout (2 sequences, padding, invalid anchors, padded carried rows, GQA) and through decoding's cache.
+    CPU FlexAttention has no backward, so only the forward is compared here."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4)
+    torch.manual_seed(0)
+    S, N, R, T = 2, 3, 3, 14
+    sequences = torch.randint(0, target.config.vocab_size, (S, T))
+    attention_mask = torch.ones(S, T, dtype=torch.long)
+    attention_mask[1, 10:] = 0
+    recorded = target_pass(target, sequences, attention_mask, drafter.feature_hidden_state_indices)
+    batch = Batch(sequences, attention_mask, attention_mask, drafter.target_features(recorded.hidden_states), None)
+    anchors, valid = torch.tensor([[2, 6, 11], [0, 5, 9]]), torch.tensor([[True, True, True], [True, True, False]])
+    carried = (
+        torch.randn(S, N, R, drafter.config.feature_size) * 3,
+        anchors.unsqueeze(-1) + torch.arange(R),
+        torch.tensor([[[True, True, False], [False, False, False], [True, True, True]]] * S),
+    )
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        dense = [drafter_hidden(drafter, embed, batch, anchors, valid, c) for c in (None, carried)]
+        drafter.set_attn_implementation("flex_attention")
+        assert drafter.config._attn_implementation == "flex_attention"
+        flex = [drafter_hidden(drafter, embed, batch, anchors, valid, c) for c in (None, carried)]
+        flex_output = mc.generate(target, sequences[:1, :5], assistant_model=drafter, max_new_tokens=20, carryover=True)
+        drafter.set_attn_implementation("eager")
+        dense_output = mc.generate(target, sequences[:1, :5], assistant_model=drafter, max_new_tokens=20, carryover=True)
+    for a, b in zip(dense, flex):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert torch.equal(flex_output, dense_output)
+
+
 def test_labels_and_position_weights_by_hand():
     input_ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16]])
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0]])  # response = positions 2..5

@@ -46,6 +46,7 @@ class BenchArguments:
     num_anchors: int = field(default=64)
     max_seq_length: int = field(default=512)
     verify_chunk_size: int = field(default=64)
+    attn_implementation: str = field(default="eager", metadata={"help": "eager, or flex_attention (GPU only)."})
     output: str = field(default="outputs/bench_training.json")
 
 
@@ -130,7 +131,9 @@ def measure_mode(args, carryover: bool) -> dict:
     rows = prepare_rows(rows, args.max_seq_length)
     batches = [pad_collator([rows[(i * args.batch_size + j) % len(rows)] for j in range(args.batch_size)]) for i in range(args.steps + 1)]
     torch.manual_seed(0)
-    drafter_args = DrafterArguments(num_draft_layers=args.num_draft_layers, block_size=args.block_size)
+    drafter_args = DrafterArguments(
+        num_draft_layers=args.num_draft_layers, block_size=args.block_size, attn_implementation=args.attn_implementation
+    )
     drafter = build_drafter(target, drafter_args).to(device).train()  # float32 master weights
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4)
     run_steps(drafter, target, batches[:1], args, carryover, optimizer)  # warmup

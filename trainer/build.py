@@ -44,6 +44,14 @@ class DrafterArguments:
     carryover_interface: str | None = field(
         default=None, metadata={"help": "How carried rows are marked [embedding].", "choices": ["embedding", "none", "projector"]}
     )
+    attn_implementation: str = field(
+        default="eager",
+        metadata={
+            "help": "The drafter's attention in training: eager (the structured dense path) or flex_attention "
+            "(FlexAttention: no [blocks x context] score tensor kept for backward; needs a GPU).",
+            "choices": ["eager", "flex_attention"],
+        },
+    )
     init_from_target: bool = field(
         default=True,
         metadata={"help": "A new drafter starts from the target's last decoder layers, fc passing the last feature."},
@@ -76,6 +84,12 @@ def init_from_target(drafter: CarryoverDrafterModel, target) -> None:
 
 def build_drafter(target, args: DrafterArguments) -> CarryoverDrafterModel:
     """A drafter for `target`: new, or loaded from `drafter_checkpoint` (float32 master weights)."""
+    drafter = load_or_create_drafter(target, args)
+    drafter.set_attn_implementation(args.attn_implementation)  # not saved: checkpoints decode with the default
+    return drafter
+
+
+def load_or_create_drafter(target, args: DrafterArguments) -> CarryoverDrafterModel:
     if not args.drafter_checkpoint:
         drafter = CarryoverDrafterModel(CarryoverDrafterConfig.from_target_config(target.config, **args.overrides()))
         if args.init_from_target:

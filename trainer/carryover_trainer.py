@@ -1,7 +1,8 @@
 """`CarryoverTrainer`: a `transformers.Trainer` that trains a Carryover drafter against a frozen target.
 
 The target is prepared by the Trainer's accelerator for evaluation only (device placement, no DDP/FSDP wrapping, not
-trained, not saved); its features are computed online each step. Only the drafter is optimised and checkpointed
+trained, not saved); its features are computed online each step. The drafter trains under DDP or FSDP2
+(`--fsdp full_shard --fsdp_config '{"version": 2}'`, which shards each CarryoverDecoderLayer). Only the drafter is optimised and checkpointed
 (`save_pretrained` writes the remote code and `custom_generate/`, so every checkpoint decodes as it is).
 """
 
@@ -11,6 +12,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import Trainer
 
 from .objectives import LossSettings, default_gamma, training_step_loss
@@ -155,10 +157,13 @@ class CarryoverTrainer(Trainer):
         features = drafter.target_features(out.hidden_states)[inputs["attention_mask"].bool()].float()  # [rows, F]
         rms = features.pow(2).mean(0).sqrt()
         signs = torch.randint(0, 2, rms.shape, device=rms.device) * 2 - 1
-        drafter.carry_embedding.copy_(self.carryover_args.carry_embedding_init_scale * rms * signs)
-        # the same E_carry on every rank
+        value = (self.carryover_args.carry_embedding_init_scale * rms * signs).to(drafter.carry_embedding.dtype)
         if self.accelerator.num_processes > 1:
-            torch.distributed.broadcast(drafter.carry_embedding.data, src=0)
+            torch.distributed.broadcast(value, src=0)  # the same E_carry on every rank
+        parameter = drafter.carry_embedding
+        if isinstance(parameter, DTensor):  # FSDP2 shards it: each rank keeps its part of the value
+            value = distribute_tensor(value, parameter.device_mesh, parameter.placements)
+        parameter.copy_(value)
 
     # -- optimisation and saving ---------------------------------------------------------------------------------
 

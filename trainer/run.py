@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # `python trainer/run.py`: make the project importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transformers import TrainingArguments
+from transformers import TrainingArguments, set_seed
 
 from trainer.build import DrafterArguments, build_drafter, load_training_rows, prepare_rows
 from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer
@@ -52,6 +52,8 @@ def main(argv=None):
     )
     if not (data_args.dataset or regeneration_args.prompts):
         raise SystemExit("Give the training data: --dataset <folder>, or --prompts <source|magpie> to regenerate it.")
+    if drafter_args.attn_implementation == "flex_attention" and training_args.device.type == "cpu":
+        raise ValueError("--attn_implementation flex_attention needs a GPU (PyTorch's FlexAttention has no CPU backward).")
     regenerating = not data_args.dataset
     target, tokenizer = load_target(
         target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype, tokenizer=regenerating
@@ -67,6 +69,7 @@ def main(argv=None):
         split = rows.train_test_split(test_size=data_args.eval_rows, seed=training_args.seed)
         rows, eval_rows = split["train"], split["test"]
 
+    set_seed(training_args.seed)  # the same new drafter on every rank (FSDP shards each rank's own values)
     drafter = build_drafter(target, drafter_args)
     trainer = CarryoverTrainer(
         model=drafter,

@@ -1,5 +1,6 @@
 """GPU check (run on a CUDA machine; CI has none): the real Trainer trains a drafter on CUDA (fp32 and bf16 autocast,
-baseline then carryover), and carryover decoding on CUDA reproduces plain greedy decoding.
+baseline then carryover), carryover decoding on CUDA reproduces plain greedy decoding, and a training step through
+FlexAttention gives the loss and gradients of the dense path (CPU FlexAttention has no backward: only here).
 
     python tests/scripts/cuda_check.py [cpu]      # prints one JSON line per dtype; exits 1 on an fp32 mismatch
 
@@ -22,7 +23,8 @@ from conftest import greedy_dataset, make_drafter, make_target  # noqa: E402
 from transformers import TrainingArguments  # noqa: E402
 
 import modeling_carryover as mc  # noqa: E402
-from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer  # noqa: E402
+from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer, pad_collator  # noqa: E402
+from trainer.objectives import LossSettings, training_step_loss  # noqa: E402
 
 
 def train(target, drafter, dataset, carryover, bf16):
@@ -72,9 +74,31 @@ def check(dtype, device):
     }
 
 
+def flex_check(device):
+    """One carryover training step (float32) with the dense and the FlexAttention path: loss and gradients agree."""
+    target = make_target("llama")
+    batch = pad_collator(list(greedy_dataset(target, num_rows=4)))
+    target.to(device)
+    drafter = make_drafter(target, block_size=8).to(device)
+    results = {}
+    for implementation in ("eager", "flex_attention"):
+        drafter.set_attn_implementation(implementation)
+        drafter.zero_grad()
+        torch.manual_seed(0)  # the same anchors
+        inputs = {k: v.to(device) for k, v in batch.items()}
+        loss, _ = training_step_loss(drafter, target, inputs, 32, LossSettings(gamma=7.0), carryover=True)
+        loss.backward()
+        results[implementation] = (loss.item(), [p.grad.clone() for p in drafter.parameters() if p.grad is not None])
+    (dense_loss, dense_grads), (flex_loss, flex_grads) = results["eager"], results["flex_attention"]
+    grad_error = max((a - b).abs().max().item() / (a.abs().max().item() + 1e-12) for a, b in zip(dense_grads, flex_grads))
+    return {"check": "flex_attention", "dense_loss": dense_loss, "flex_loss": flex_loss, "max_relative_grad_error": grad_error,
+            "ok": abs(dense_loss - flex_loss) < 1e-4 and grad_error < 1e-3}
+
+
 if __name__ == "__main__":
     device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cuda")  # `cpu` to try the script without a GPU
     results = [check(torch.float32, device), check(torch.bfloat16, device)]
-    for result in results:
+    flex = flex_check(device) if device.type == "cuda" else {"check": "flex_attention", "ok": None, "skipped": "cpu"}
+    for result in [*results, flex]:
         print(json.dumps(result))
-    sys.exit(1 if results[0]["mismatches"] else 0)
+    sys.exit(1 if results[0]["mismatches"] or flex["ok"] is False else 0)

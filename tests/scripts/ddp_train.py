@@ -1,4 +1,10 @@
-"""Run trainer/run.py's main under torchrun and write this rank's drafter weights, to compare ranks."""
+"""Run trainer/run.py's main under torchrun and write the trained drafter weights, to compare ranks and runs.
+
+DDP: every rank writes its own weights (rank<r>.pt). FSDP (`--fsdp ...`): the full state dict is gathered and rank 0
+writes it. accelerate maps multi-process CPU runs to DDP even when FSDP is asked for (its FSDP switch lists
+accelerator device types only), so with CARRYOVER_TEST_CPU_FSDP=1 this script makes accelerate take its FSDP branch
+on CPU: the sharding itself is torch's real FSDP2 over gloo. On GPUs no such switch is needed.
+"""
 
 import os
 import sys
@@ -7,12 +13,35 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from trainer.run import main  # noqa: E402
+
+def allow_fsdp_on_cpu():
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original_init = AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # later AcceleratorState()s copy it
+
+    AcceleratorState.__init__ = init
+
 
 if __name__ == "__main__":
+    if os.environ.get("CARRYOVER_TEST_CPU_FSDP") == "1":
+        allow_fsdp_on_cpu()
+    from torch.distributed.tensor import DTensor
+
+    from trainer.run import main
+
     weights_dir, argv = sys.argv[1], sys.argv[2:]
     trainer = main(argv)
-    drafter = trainer.accelerator.unwrap_model(trainer.model)
     rank = int(os.environ.get("RANK", 0))
-    torch.save({k: v.detach().cpu() for k, v in drafter.state_dict().items()}, os.path.join(weights_dir, f"rank{rank}.pt"))
-    print(f"rank {rank} world {trainer.accelerator.num_processes} steps {trainer.state.global_step}")
+    sharded = isinstance(trainer.accelerator.unwrap_model(trainer.model).fc.weight, DTensor)
+    state = trainer.accelerator.get_state_dict(trainer.model)  # FSDP: gathered on rank 0 (a collective)
+    if state and (not sharded or rank == 0):
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, os.path.join(weights_dir, f"rank{rank}.pt"))
+    print(f"rank {rank} world {trainer.accelerator.num_processes} steps {trainer.state.global_step} "
+          f"type {trainer.accelerator.distributed_type} sharded {sharded}")

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 if [ "${SCALE:-full}" = small ]; then
   PROMPTS=48; EPOCHS=1; CONTINUE_EPOCHS=1; LIMIT=2; NEW_TOKENS=32; OUT=runs/smollm2-small
 else
-  PROMPTS=640; EPOCHS=3; CONTINUE_EPOCHS=1; LIMIT=8; NEW_TOKENS=64; OUT=runs/smollm2
+  PROMPTS=640; EPOCHS=1; CONTINUE_EPOCHS=0.3; LIMIT=4; NEW_TOKENS=64; OUT=runs/smollm2
 fi
 DATA=data/smollm2-magpie-$PROMPTS
 COMMON=(--dataset "$DATA" --target_dtype bfloat16 --max_seq_length 512 --num_draft_layers 2 --block_size 8 --num_anchors 32
