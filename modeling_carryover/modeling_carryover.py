@@ -141,9 +141,10 @@ def flex_block_attention(query, context_keys, context_values, own_keys, own_valu
         attend = _compiled_flex_attention
     S, N, H, B, D = query.shape
     K, J = own_keys.shape[2], own_keys.shape[3]
-    q = query.transpose(1, 2).reshape(S, H, N * B, D)
-    keys = torch.cat([context_keys, own_keys.transpose(1, 2).reshape(S, K, N * J, D)], 2)
-    values = torch.cat([context_values, own_values.transpose(1, 2).reshape(S, K, N * J, D)], 2)
+    dtype = own_values.dtype  # under autocast the projections' dtype (the q/k norms promote to float32)
+    q = query.transpose(1, 2).reshape(S, H, N * B, D).to(dtype)
+    keys = torch.cat([context_keys, own_keys.transpose(1, 2).reshape(S, K, N * J, D)], 2).to(dtype)
+    values = torch.cat([context_values, own_values.transpose(1, 2).reshape(S, K, N * J, D)], 2).to(dtype)
     out = attend(q, keys, values, block_mask=block_mask, scale=scaling, enable_gqa=H != K)
     return out.view(S, H, N, B, D).permute(0, 2, 3, 1, 4).reshape(S, N, B, H * D)
 

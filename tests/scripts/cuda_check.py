@@ -82,17 +82,22 @@ def flex_check(device):
     drafter = make_drafter(target, block_size=8).to(device)
     results = {}
     for implementation in ("eager", "flex_attention"):
-        drafter.set_attn_implementation(implementation)
-        drafter.zero_grad()
-        torch.manual_seed(0)  # the same anchors
-        inputs = {k: v.to(device) for k, v in batch.items()}
-        loss, _ = training_step_loss(drafter, target, inputs, 32, LossSettings(gamma=7.0), carryover=True)
-        loss.backward()
-        results[implementation] = (loss.item(), [p.grad.clone() for p in drafter.parameters() if p.grad is not None])
-    (dense_loss, dense_grads), (flex_loss, flex_grads) = results["eager"], results["flex_attention"]
+        for bf16 in (False, True):  # bf16: autocast, as the Trainer runs with --bf16
+            drafter.set_attn_implementation(implementation)
+            drafter.zero_grad()
+            torch.manual_seed(0)  # the same anchors
+            inputs = {k: v.to(device) for k, v in batch.items()}
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss, _ = training_step_loss(drafter, target, inputs, 32, LossSettings(gamma=7.0), carryover=True)
+            loss.backward()
+            grads = [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+            results[implementation, bf16] = (loss.item(), grads)
+    (dense_loss, dense_grads), (flex_loss, flex_grads) = results["eager", False], results["flex_attention", False]
     grad_error = max((a - b).abs().max().item() / (a.abs().max().item() + 1e-12) for a, b in zip(dense_grads, flex_grads))
+    bf16_losses = results["eager", True][0], results["flex_attention", True][0]
     return {"check": "flex_attention", "dense_loss": dense_loss, "flex_loss": flex_loss, "max_relative_grad_error": grad_error,
-            "ok": abs(dense_loss - flex_loss) < 1e-4 and grad_error < 1e-3}
+            "bf16_autocast_losses_dense_flex": bf16_losses,
+            "ok": abs(dense_loss - flex_loss) < 1e-4 and grad_error < 1e-3 and abs(bf16_losses[0] - bf16_losses[1]) < 5e-2}
 
 
 if __name__ == "__main__":
