@@ -268,9 +268,8 @@ class CarryoverAttention(nn.Module):
             block_values = torch.cat([carried_values, block_values], dim=3)
 
         if masks.flex is not None:
-            out, probs = flex_block_attention(
-                query, context_keys, context_values, block_keys, block_values, masks.flex, self.scaling
-            ), None
+            out = flex_block_attention(query, context_keys, context_values, block_keys, block_values, masks.flex, self.scaling)
+            probs = None
         else:
             out, probs = block_attention(
                 query, context_keys, context_values, block_keys, block_values, masks.context, masks.own, self.scaling
@@ -320,11 +319,11 @@ class CarryoverPreTrainedModel(PreTrainedModel):
     base_model_prefix = ""
     supports_gradient_checkpointing = False
     _supports_flex_attn = True  # attn_implementation="flex_attention" (training on GPUs); default: the dense path
+    _no_split_modules = ["CarryoverDecoderLayer"]
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
         return True  # the attention reads config._attn_implementation on every forward (transformers' check is textual)
-    _no_split_modules = ["CarryoverDecoderLayer"]
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -449,6 +448,8 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         carried_position_ids (`[S, N, R]`): absolute positions at which they were computed.
         carried_mask (`[S, N, R]`, *optional*): which carried rows are real (the rest is padding).
         past_key_values (`transformers.DynamicCache`, *optional*): committed context keys/values per layer.
+        output_attentions (`bool`): also return each layer's attention probabilities (always computed by the dense
+            path, whatever `attn_implementation` is).
         """
         S, N, B, _ = block_embeds.shape
         hidden_states = block_embeds.to(self.fc.weight.dtype)
