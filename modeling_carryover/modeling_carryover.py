@@ -510,7 +510,14 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save weights, config (with `auto_map`), the model code and `custom_generate/generate.py`, so that the
         folder (or a Hub repo with the same files) decodes with `custom_generate=<folder>` on its own."""
-        super().save_pretrained(save_directory, *args, **kwargs)
+        # FSDP2 swaps the instance's class for a subclass defined in torch: save as the class defined here, so that
+        # the folder gets this code and an auto_map that names it
+        sharded_class = type(self)
+        self.__class__ = next(c for c in sharded_class.__mro__ if c.__module__ == CarryoverDrafterModel.__module__)
+        try:
+            super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            self.__class__ = sharded_class
         custom_generate = Path(save_directory) / "custom_generate"
         custom_generate.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(inspect.getsourcefile(carryover_generate), custom_generate / "generate.py")

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO_ROOT, greedy_dataset, make_drafter, make_target
-from transformers import TrainerCallback, TrainingArguments
+from transformers import AutoModel, TrainerCallback, TrainingArguments
 
 import modeling_carryover as mc
 from trainer.carryover_trainer import TRAINING_SETTINGS_FILE, CarryoverArguments, CarryoverTrainer
@@ -141,7 +141,9 @@ def test_fsdp_shards_the_drafter_and_trains_like_ddp(tiny_setup, tmp_path):
     assert ddp.keys() == fsdp.keys() and not torch.equal(ddp["carry_embedding"], torch.zeros_like(ddp["carry_embedding"]))
     for name in ddp:
         torch.testing.assert_close(fsdp[name], ddp[name], atol=1e-5, rtol=1e-4, msg=name)
-    drafter = mc.CarryoverDrafterModel.from_pretrained(tmp_path / "fsdp" / "out").eval()
+    saved = tmp_path / "fsdp" / "out"
+    assert sorted(p.name for p in saved.glob("*.py")) == ["configuration_carryover.py", "generation_carryover.py", "modeling_carryover.py"]
+    drafter = AutoModel.from_pretrained(saved, trust_remote_code=True).eval()  # the folder's own code
     for name, weight in drafter.state_dict().items():
         torch.testing.assert_close(weight, fsdp[name], msg=name)
     prompt = torch.tensor([[1, 5, 9, 2]])
