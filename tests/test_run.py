@@ -125,30 +125,40 @@ def test_torchrun_two_processes_keep_identical_weights(tiny_setup, tmp_path, mar
 
 def test_fsdp_shards_the_drafter_and_trains_like_ddp(tiny_setup, tmp_path):
     """FSDP2 over 2 real processes shards every drafter weight, trains carryover with the Markov heads (applied
-    outside the sharded forward) and a feature-scaled E_carry exactly like DDP, and saves a full checkpoint that
-    decodes losslessly. (accelerate routes CPU runs to DDP; ddp_train.py lets its FSDP branch run on CPU.)"""
+    outside the sharded forward) and a feature-scaled E_carry exactly like DDP, saves a full checkpoint that loads
+    with its own remote code and decodes losslessly, and an interrupted run resumes to the same weights.
+    (accelerate routes CPU runs to DDP; ddp_train.py lets its FSDP branch run on CPU.)"""
     root, target = tiny_setup
-    extra = ("--markov_rank", "8", "--carry_embedding_init", "feature_rms")
+    extra = ("--markov_rank", "8", "--carry_embedding_init", "feature_rms", "--lr_scheduler_type", "constant")
     torchrun(root, tmp_path / "ddp", 29521, *extra)
     fsdp_config = tmp_path / "fsdp.json"
     fsdp_config.write_text('{"version": 2}')
-    stdout = torchrun(
-        root, tmp_path / "fsdp", 29522, *extra, "--fsdp", "full_shard", "--fsdp_config", str(fsdp_config),
-        env={"CARRYOVER_TEST_CPU_FSDP": "1"},
-    )
+    fsdp = (*extra, "--fsdp", "full_shard", "--fsdp_config", str(fsdp_config))
+    env = {"CARRYOVER_TEST_CPU_FSDP": "1"}
+    stdout = torchrun(root, tmp_path / "fsdp", 29522, *fsdp, env=env)
     assert "type DistributedType.FSDP sharded True" in stdout
-    ddp, fsdp = torch.load(tmp_path / "ddp" / "rank0.pt"), torch.load(tmp_path / "fsdp" / "rank0.pt")
-    assert ddp.keys() == fsdp.keys() and not torch.equal(ddp["carry_embedding"], torch.zeros_like(ddp["carry_embedding"]))
+    ddp, fsdp_weights = torch.load(tmp_path / "ddp" / "rank0.pt"), torch.load(tmp_path / "fsdp" / "rank0.pt")
+    assert ddp.keys() == fsdp_weights.keys()
+    assert not torch.equal(ddp["carry_embedding"], torch.zeros_like(ddp["carry_embedding"]))
     for name in ddp:
-        torch.testing.assert_close(fsdp[name], ddp[name], atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(fsdp_weights[name], ddp[name], atol=1e-5, rtol=1e-4, msg=name)
+
     saved = tmp_path / "fsdp" / "out"
     assert sorted(p.name for p in saved.glob("*.py")) == ["configuration_carryover.py", "generation_carryover.py", "modeling_carryover.py"]
     drafter = AutoModel.from_pretrained(saved, trust_remote_code=True).eval()  # the folder's own code
     for name, weight in drafter.state_dict().items():
-        torch.testing.assert_close(weight, fsdp[name], msg=name)
+        torch.testing.assert_close(weight, fsdp_weights[name], msg=name)
     prompt = torch.tensor([[1, 5, 9, 2]])
     expected = target.generate(prompt, max_new_tokens=24, do_sample=False)
     assert torch.equal(mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=24), expected)
+
+    # interrupted after 2 of the 4 steps (sharded checkpoint), then resumed
+    checkpoints = ("--save_strategy", "steps", "--save_steps", "2")
+    torchrun(root, tmp_path / "resumed", 29523, *fsdp, *checkpoints, "--max_steps", "2", env=env)
+    torchrun(root, tmp_path / "resumed", 29524, *fsdp, *checkpoints, "--resume_from_checkpoint", "latest", env=env)
+    resumed = torch.load(tmp_path / "resumed" / "rank0.pt")
+    for name in fsdp_weights:
+        torch.testing.assert_close(resumed[name], fsdp_weights[name], atol=0, rtol=0, msg=name)
 
 
 def test_bad_inputs_fail_before_writing_anything(tiny_setup, tmp_path):
