@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # `python trainer/run.py`: make the project importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch
 from transformers import TrainingArguments, set_seed
 
 from trainer.build import DrafterArguments, build_drafter, load_training_rows, prepare_rows
@@ -87,5 +88,13 @@ def main(argv=None):
     return trainer
 
 
+def end_distributed():
+    """Leave the process group cleanly: a rank that exits with gloo's threads still running can abort at shutdown."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     main()
+    end_distributed()

@@ -34,7 +34,7 @@ if __name__ == "__main__":
         allow_fsdp_on_cpu()
     from torch.distributed.tensor import DTensor
 
-    from trainer.run import main
+    from trainer.run import end_distributed, main
 
     weights_dir, argv = sys.argv[1], sys.argv[2:]
     trainer = main(argv)
@@ -45,3 +45,4 @@ if __name__ == "__main__":
         torch.save({k: v.detach().cpu() for k, v in state.items()}, os.path.join(weights_dir, f"rank{rank}.pt"))
     print(f"rank {rank} world {trainer.accelerator.num_processes} steps {trainer.state.global_step} "
           f"type {trainer.accelerator.distributed_type} sharded {sharded}")
+    end_distributed()
