@@ -10,6 +10,7 @@
         --output_dir checkpoints/control --num_train_epochs 1
     python trainer/run.py config.yaml                     # the same fields in a JSON or YAML file
     torchrun --nproc_per_node 2 trainer/run.py ...        # DDP; `accelerate launch` works the same way
+    torchrun --nproc_per_node 8 trainer/run.py ... --fsdp full_shard --fsdp_config fsdp.json   # FSDP2: {"version": 2}
 
 Arguments: TargetArguments (target, PEFT adapter), DrafterArguments (architecture or checkpoint), DataArguments,
 RegenerationArguments (prompts to regenerate first), CarryoverArguments (objective) and transformers'
