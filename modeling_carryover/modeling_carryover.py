@@ -8,6 +8,7 @@ One forward serves decoding (S = N = 1, committed rows in a cache) and training 
 each block attends to the committed context rows it may see, to its own carried rejected rows, and to itself.
 """
 
+import functools
 import inspect
 import shutil
 from dataclasses import dataclass
@@ -126,19 +127,17 @@ def flex_block_mask(context_mask, own_mask, S, N, B, T, J, device):
     return create_block_mask(visible, S, None, N * B, T + N * J, device=device)
 
 
-_compiled_flex_attention = None
+@functools.cache
+def compiled_flex_attention():
+    return torch.compile(flex_attention)  # compiled once per process
 
 
 def flex_block_attention(query, context_keys, context_values, own_keys, own_values, block_mask, scaling):
     """`block_attention` through FlexAttention (no [.., B, T] score tensor is kept for backward): the same inputs,
     flattened to one query sequence of N*B slots per sequence and one key sequence `[T ; N*J]`, with `block_mask`
     from `flex_block_mask`. Returns the attention output [S, N, B, H*D] (no probabilities)."""
-    global _compiled_flex_attention
-    attend = flex_attention  # eager: a slow reference (and torch 2.13's CPU kernel template fails to build this mask)
-    if query.device.type != "cpu":
-        if _compiled_flex_attention is None:  # compiled once per process
-            _compiled_flex_attention = torch.compile(flex_attention)
-        attend = _compiled_flex_attention
+    # on CPU eager, a slow reference: torch 2.13's CPU kernel template fails to build this mask
+    attend = flex_attention if query.device.type == "cpu" else compiled_flex_attention()
     S, N, H, B, D = query.shape
     K, J = own_keys.shape[2], own_keys.shape[3]
     dtype = own_values.dtype  # under autocast the projections' dtype (the q/k norms promote to float32)
