@@ -35,7 +35,7 @@ from modeling_carryover import generate as carryover_generate
 from trainer.cli import parse_arguments
 from trainer.targets import load_target
 from trainer.objectives import context_visibility
-from trainer.verification import target_pass, verify_branches
+from trainer.verification import check_verification_support, target_pass, verify_branches
 
 COMMANDS = ("recall", "reconvergence", "attention")
 
@@ -289,6 +289,7 @@ def run_analysis(command, args: AnalysisArguments) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     benchmark = load_benchmark(args.benchmark, args.subsets, args.limit)
     target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=device)
+    check_verification_support(target)
     specs = [parse_drafter(f"carryover={args.drafter}:on")]
     if args.baseline:
         specs.append(parse_drafter(f"baseline={args.baseline}:off"))

@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers/huggingface_
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
 
@@ -33,13 +33,19 @@ TINY = dict(
 
 
 def make_target(kind="llama", seed=0, **overrides):
-    """A tiny random Llama- or Qwen3-style causal LM in eval mode."""
+    """A tiny random Llama-, Qwen3- (optionally hybrid sliding-window) or Mistral-style causal LM in eval mode."""
     torch.manual_seed(seed)
     fields = {**TINY, **overrides}
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**fields))
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **fields))
+    elif kind == "qwen3-sliding":  # hybrid: full-attention layers, then sliding-window ones
+        model = Qwen3ForCausalLM(
+            Qwen3Config(head_dim=16, use_sliding_window=True, sliding_window=6, max_window_layers=2, **fields)
+        )
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(head_dim=16, **fields))
     else:
         raise ValueError(kind)
     return model.eval()

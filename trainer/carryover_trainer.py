@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import Trainer
 
 from .objectives import LossSettings, default_gamma, training_step_loss
+from .verification import check_verification_support
 
 TRAINING_SETTINGS_FILE = "carryover_training.json"
 
@@ -86,6 +87,8 @@ class CarryoverTrainer(Trainer):
         self.carryover_args = carryover_args or CarryoverArguments()
         drafter = self.accelerator.unwrap_model(self.model)
         drafter.check_target(target_model.config)
+        if self.carryover_args.carryover:
+            check_verification_support(target_model)
         config = drafter.config
         config.carryover = self.carryover_args.carryover  # the checkpoint decodes the way it was trained by default
         self.loss_settings = LossSettings(
