@@ -386,3 +386,20 @@ def test_smollm2_template_prefixes():
     data = tokenize_conversations(Dataset.from_dict({"messages": [CONVERSATION]}), tokenizer)
     trained = [t for t, m in zip(data[0]["input_ids"], data[0]["loss_mask"]) if m]
     assert tokenizer.decode(trained) == "yo<|im_end|>ok<|im_end|>"
+
+
+def test_rows_without_an_anchor_are_dropped_with_a_warning(caplog):
+    from datasets import Dataset
+
+    from trainer.build import prepare_rows
+
+    rows = Dataset.from_list([
+        {"input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 1, 1, 1]},
+        {"input_ids": [1, 2, 3], "loss_mask": [0, 0, 1]},  # one response token: no block can anchor
+    ])
+    with caplog.at_level("WARNING", logger="trainer.build"):
+        kept = prepare_rows(rows, max_seq_length=16)
+    assert kept["input_ids"] == [[1, 2, 3, 4, 5]]
+    assert "Dropped 1 of 2 rows" in caplog.text
+    with pytest.raises(ValueError, match="None of the 2 rows"):
+        prepare_rows(rows, max_seq_length=3)

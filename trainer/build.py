@@ -1,6 +1,7 @@
 """Building the drafter to train (new, from a checkpoint, or initialised from the target) and the training rows."""
 
 import copy
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,6 +11,8 @@ from datasets import Dataset
 from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
 
 from .data import MANIFEST, load_regenerated, load_rows
+
+logger = logging.getLogger(__name__)
 
 
 # DrafterArguments field -> CarryoverDrafterConfig field
@@ -146,5 +149,10 @@ def prepare_rows(dataset: Dataset, max_seq_length: int) -> Dataset:
         raise ValueError(
             f"None of the {len(dataset)} rows has two response tokens within max_seq_length={max_seq_length}: "
             "nothing to train on (responses shorter than a block anchor)."
+        )
+    if len(usable) < len(dataset):
+        logger.warning(
+            f"Dropped {len(dataset) - len(usable)} of {len(dataset)} rows with fewer than two response tokens within "
+            f"max_seq_length={max_seq_length} (no block can be anchored on them)."
         )
     return usable

@@ -52,15 +52,16 @@ def sample_anchors(loss_mask, num_anchors: int):
 
 
 def block_labels(input_ids, loss_mask, anchor_positions, anchor_valid, num_slots: int):
-    """Slot k of the block at anchor a predicts token[a + k] (k = 1 .. c); a label counts where it lies inside the
-    sequence and the loss mask. -> labels [S, N, c], label_valid [S, N, c]"""
+    """Slot k of the block at anchor a predicts token[a + k] (k = 1 .. c); a label counts where it and every label
+    before it lie inside the sequence and the loss mask (a draft never continues across a gap in the mask, such as a
+    user turn). -> labels [S, N, c], label_valid [S, N, c]"""
     T = input_ids.shape[1]
     index = anchor_positions.unsqueeze(-1) + torch.arange(1, num_slots + 1, device=input_ids.device)  # [S, N, c]
     inside = index < T
     index = index.clamp(max=T - 1)
     labels = torch.gather(input_ids, 1, index.flatten(1)).view_as(index)
     in_mask = torch.gather(loss_mask.bool(), 1, index.flatten(1)).view_as(index)
-    return labels, inside & in_mask & anchor_valid.unsqueeze(-1)
+    return labels, (inside & in_mask & anchor_valid.unsqueeze(-1)).cummin(dim=-1).values
 
 
 def context_visibility(attention_mask, anchor_positions):
@@ -198,6 +199,7 @@ class Transition:
     """The draft-verify result for each anchor: accepted length, shifted anchor, carried rejected rows."""
 
     accepted_len: torch.LongTensor  # [S, N]
+    verified_len: torch.LongTensor  # [S, N] drafts this forward's greedy verification accepts, up to the response end
     shifted_anchor_positions: torch.LongTensor  # [S, N]
     shifted_anchor_valid: torch.BoolTensor  # [S, N]
     carried: tuple  # (features [S, N, c, F], position ids [S, N, c], mask [S, N, c])
@@ -208,9 +210,12 @@ def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded,
     """Algorithm 2, steps 1-4: a detached greedy draft at every anchor, the frozen target verifies all branches in
     parallel, accepted lengths m, rejected states, shifted anchors a' = a + m + 1.
 
-    m counts the leading drafts that the target's greedy verification accepts AND that agree with the recorded
-    response (identical for greedy-regenerated data), so that the recorded prefix through a' is what decoding would
-    have committed and the recorded continuation at a' is the right supervision.
+    m counts the leading drafts that agree with the recorded response: the record is the target's own output (greedy
+    verification accepts exactly these drafts for greedy-regenerated data), so the recorded prefix through a' is what
+    decoding commits, the recorded continuation is the supervision, and the first carried row is never the recorded
+    token at a'. Where the record and this forward's greedy verification disagree (a near-tie decided otherwise by
+    other numerics, or sampled data), following the verification instead would carry the true continuation's own
+    features as "rejected" rows. `verified_len` is the verification's own count (a diagnostic).
     """
     module = drafter_module(drafter)
     num_slots = module.config.block_size - 1
@@ -230,7 +235,8 @@ def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded,
         verified = verify_branches(target, recorded, batch.input_ids, anchor_positions, drafts, indices, chunk_size)
     labels, label_valid = block_labels(batch.input_ids, batch.loss_mask, anchor_positions, anchor_valid, num_slots)
     agrees_with_record = ((drafts == labels) & label_valid).long().cumprod(-1).sum(-1)
-    accepted_len = torch.minimum(verified.accepted_len, agrees_with_record)
+    accepted_len = agrees_with_record
+    verified_len = torch.minimum(verified.accepted_len, label_valid.sum(-1))  # past the response, nothing to compare
 
     branch_features = module.target_features(verified.hidden_states)  # [S, N, B, F]: the verified blocks
     _, branch_position_ids = module.block_inputs(anchor_ids, anchor_positions)
@@ -240,7 +246,8 @@ def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded,
     T = batch.input_ids.shape[1]
     shifted_valid = anchor_valid & (shifted < T)
     shifted = torch.where(shifted_valid, shifted, torch.zeros_like(shifted))
-    return Transition(accepted_len, shifted, shifted_valid, carried)
+    shifted_valid &= torch.gather(batch.loss_mask.bool(), 1, shifted)  # the anchor a' is a response token, as at first
+    return Transition(accepted_len, verified_len, shifted, shifted_valid, carried)
 
 
 def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: LossSettings, carryover: bool, chunk_size=64):
@@ -272,7 +279,8 @@ def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: Los
         )
         valid = anchor_valid.float()
         metrics["first_draft_accepted"] = (transition.accepted_len * valid).sum() / valid.sum()
-        metrics["carried_rows"] = transition.carried[2].float().sum() / valid.sum()
+        metrics["carried_rows"] = (transition.carried[2] & anchor_valid[..., None]).sum() / valid.sum()
+        metrics["record_disagreement"] = ((transition.verified_len != transition.accepted_len).float() * valid).sum() / valid.sum()
         anchor_positions, anchor_valid, carried = (
             transition.shifted_anchor_positions,
             transition.shifted_anchor_valid,
@@ -291,6 +299,7 @@ __all__ = [
     "Transition",
     "block_labels",
     "block_losses",
+    "blocks_at",
     "context_visibility",
     "default_gamma",
     "draft_verify",
