@@ -13,6 +13,11 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
     Ids are 0-based decoder-layer OUTPUTS (id l = HF `output_hidden_states[l + 1]`).
     Qwen3-4B (L=36) with 5 features gives [1, 9, 17, 25, 33].
     """
+    if num_features > num_target_layers:
+        raise ValueError(
+            f"A drafter with {num_features} layers reads {num_features} target layers by default, but the target has "
+            f"{num_target_layers}: pass target_layer_ids (or fewer drafter layers)."
+        )
     if num_features == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3

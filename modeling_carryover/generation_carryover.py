@@ -26,6 +26,7 @@ import torch
 
 from transformers import DynamicCache, GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 
 @dataclass
@@ -159,7 +160,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         logits = logits.to(input_ids.device)  # processors index with the sequence
         for slot_logits in logits.split(1):  # [1, V]
             if self.use_markov:
-                correction = self.drafter.markov_correction(previous.to(self.drafter.device))
+                correction = self.drafter.markov_correction(previous)
                 slot_logits = slot_logits + correction.float().to(slot_logits.device)
             if len(self.logits_processor):
                 slot_logits = self.logits_processor(sequence, slot_logits)
@@ -206,6 +207,38 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         self.current_round = None
 
 
+class FirstStopInRound(StoppingCriteria):
+    """transformers checks the stopping criteria once per round, after all its accepted tokens, and cuts only at EOS
+    and max length: a stop string or custom criterion met mid-round would let the output run on. This wrapper checks
+    every new prefix and remembers the shortest length at which `criteria` fire, where the output is then cut."""
+
+    def __init__(self, criteria: StoppingCriteriaList, prompt_length: int):
+        self.criteria, self.checked_length, self.stop_length = criteria, prompt_length, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        for length in range(self.checked_length + 1, input_ids.shape[1] + 1):
+            if self.stop_length is None and self.criteria(input_ids[:, :length], scores, **kwargs).any():
+                self.stop_length = length
+        self.checked_length = input_ids.shape[1]
+        return torch.full((input_ids.shape[0],), self.stop_length is not None, dtype=torch.bool, device=input_ids.device)
+
+
+def cut_output(output, length):
+    """`generate`'s output (ids, or a ModelOutput with per-token tuples and the cache) cut to `length` tokens."""
+    if length is None:
+        return output
+    if isinstance(output, torch.Tensor):
+        return output[:, :length]
+    removed = output.sequences.shape[1] - length
+    output.sequences = output.sequences[:, :length]
+    for name in ("scores", "logits", "attentions", "hidden_states"):  # one entry per generated token
+        if getattr(output, name, None) is not None:
+            setattr(output, name, getattr(output, name)[: len(getattr(output, name)) - removed])
+    if removed and getattr(output, "past_key_values", None) is not None:
+        output.past_key_values.crop(-removed)
+    return output
+
+
 @contextlib.contextmanager
 def _candidate_generator_of(target, candidate_generator):
     """Make `target._assisted_decoding` use `candidate_generator` (an instance-level override; not thread-safe)."""
@@ -233,7 +266,8 @@ def carryover_decoding(
     **model_kwargs,
 ):
     """The decoding method handed to `generate(custom_generate=...)`: transformers' assisted decoding loop with a
-    `CarryoverCandidateGenerator`."""
+    `CarryoverCandidateGenerator`, cut where a stopping criterion first fires (`FirstStopInRound`; a streamer may
+    already have received the tokens after a mid-round stop string)."""
     if generation_config.num_beams != 1 or generation_config.num_return_sequences != 1:
         raise ValueError("Carryover decoding supports num_beams=1 and num_return_sequences=1 only.")
     cache = model_kwargs.get("past_key_values")
@@ -247,18 +281,20 @@ def carryover_decoding(
     )
     if carryover_streamer is not None:
         carryover_streamer.put(input_ids.cpu())
+    first_stop = FirstStopInRound(stopping_criteria, input_ids.shape[1])
     with _candidate_generator_of(model, generator):
-        return GenerationMixin._assisted_decoding(
+        output = GenerationMixin._assisted_decoding(
             model,
             input_ids,
             logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria,
+            stopping_criteria=StoppingCriteriaList([first_stop]),
             generation_config=generation_config,
             assistant_model=carryover_drafter,
             streamer=carryover_streamer,
             inputs_tensor=inputs_tensor,
             **model_kwargs,
         )
+    return cut_output(output, first_stop.stop_length)
 
 
 def generate(model, *args, assistant_model=None, carryover=None, streamer=None, **kwargs):
@@ -277,6 +313,16 @@ def generate(model, *args, assistant_model=None, carryover=None, streamer=None, 
             f"{type(assistant_model).__name__}."
         )
     kwargs.pop("custom_generate", None)
+    # transformers does not hand `tokenizer` to a custom decoding function: turn stop strings into a criterion here
+    generation_config = kwargs.get("generation_config") or model.generation_config
+    stop_strings = kwargs.pop("stop_strings", None) or generation_config.stop_strings
+    tokenizer = kwargs.pop("tokenizer", None)
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer: generate(..., stop_strings=..., tokenizer=tokenizer).")
+        criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        criteria.append(StopStringCriteria(tokenizer, stop_strings))
+        kwargs.update(stopping_criteria=criteria, stop_strings=None)
     return GenerationMixin.generate(
         model,
         *args,

@@ -340,6 +340,7 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
     not part of this model or its checkpoint."""
 
     def __init__(self, config: CarryoverDrafterConfig):
+        config.check_values()  # again: from_pretrained(..., block_size=...) overrides fields after the config's init
         super().__init__(config)
         d, feature_size = config.hidden_size, config.feature_size
         self.fc = nn.Linear(feature_size, d, bias=False)
@@ -484,7 +485,7 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
 
     def markov_correction(self, prev_token_ids):
         """W2(W1[x_{k-1}]): logit correction for a slot whose previous token is x_{k-1}. [...] -> [..., V]"""
-        return self.markov_proj(self.markov_embed(prev_token_ids))
+        return self.markov_proj(self.markov_embed(prev_token_ids.to(self.markov_embed.weight.device)))
 
     def greedy_drafts(self, slot_logits, anchor_ids, return_logits=False):
         """Greedy drafts from the slot logits [..., c, V] (slot k proposes the token at anchor + k), left to right for
@@ -493,7 +494,7 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         if self.config.markov_rank:
             previous, corrected = anchor_ids, []
             for logits in slot_logits.unbind(-2):
-                corrected.append(logits + self.markov_correction(previous).to(logits.dtype))
+                corrected.append(logits + self.markov_correction(previous).to(logits.device, logits.dtype))
                 previous = corrected[-1].argmax(-1)
             slot_logits = torch.stack(corrected, dim=-2)
         drafts = slot_logits.argmax(-1)

@@ -5,6 +5,7 @@ Trainer, the real `generate` loop."""
 import pytest
 import torch
 from conftest import make_drafter, make_target, trained_drafter
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import modeling_carryover as mc
 from trainer.verification import target_pass, verify_branches
@@ -58,6 +59,48 @@ def test_eos_inside_a_block(carryover):
     )
     assert torch.equal(out, expected)
     assert out.shape[1] == 6 + eos_index + 1 and out[0, -1].item() == eos
+
+
+class StopAtToken(StoppingCriteria):
+    """A user's own criterion: stop once `token` is generated."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_stop_strings_and_custom_criteria_inside_a_block():
+    """transformers checks stopping criteria once per round: a stop string or a custom criterion met in the middle of
+    an accepted block must still end the output exactly where `target.generate` ends it (ids, scores, cache)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    target, drafter, dataset = trained_drafter("llama", 8, 0)
+    # word-level, one word per token id, plus StopStringCriteria's probe word "abcdef"
+    words = {f"w{i}": i for i in range(target.config.vocab_size)} | {"abcdef": target.config.vocab_size, "<unk>": target.config.vocab_size + 1}
+    backend = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    prompt = torch.tensor([dataset[0]["input_ids"][:6]])
+    plain = target.generate(prompt, max_new_tokens=60, do_sample=False)[0, 6:].tolist()
+    mid_round = 0
+    for index in [i for i in range(3, len(plain)) if plain[i] not in plain[:i]][:4]:
+        word = tokenizer.convert_ids_to_tokens(plain[index])
+        for stop in ({"stop_strings": [word], "tokenizer": tokenizer}, {"stopping_criteria": StoppingCriteriaList([StopAtToken(plain[index])])}):
+            settings = dict(max_new_tokens=60, do_sample=False, return_dict_in_generate=True, output_scores=True, **stop)
+            expected = target.generate(prompt, **settings)
+            assert expected.sequences.shape[1] == 6 + index + 1
+            for carryover in (True, False):
+                out = mc.generate(target, prompt, assistant_model=drafter, carryover=carryover, **settings)
+                assert torch.equal(out.sequences, expected.sequences), (word, stop.keys(), carryover)
+                assert len(out.scores) == index + 1 and out.past_key_values.get_seq_length() == 6 + index
+                last = drafter.generation_stats.rounds[-1]
+                mid_round += last.anchor_position + last.accepted + 1 > out.sequences.shape[1] - 1  # cut inside it
+    assert mid_round >= 2  # the case that needs the cut happened
+    with pytest.raises(ValueError, match="tokenizer"):
+        mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=10, stop_strings=["w1"])
 
 
 def carried_rows_of(target, drafter, recorded, sequence, previous):
@@ -178,6 +221,17 @@ def test_drafter_config_validation():
     qwen3 = mc.CarryoverDrafterConfig.from_target_config(make_target("qwen3").config)
     assert qwen3.head_dim == 16
     assert mc.default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    with pytest.raises(ValueError, match="pass target_layer_ids"):  # 5 drafter layers read 5 layers of a 4-layer target
+        mc.CarryoverDrafterConfig.from_target_config(target.config, num_hidden_layers=5)
+
+
+def test_from_pretrained_overrides_are_validated(tmp_path):
+    """`from_pretrained(path, block_size=...)` sets fields after the config's own checks ran: the model checks again."""
+    make_drafter(make_target("llama")).save_pretrained(tmp_path)
+    for override, message in (({"block_size": 1}, "block_size"), ({"mask_token_id": 500}, "mask_token_id"),
+                              ({"target_layer_ids": [0, 9]}, "out of range")):
+        with pytest.raises(ValueError, match=message):
+            mc.CarryoverDrafterModel.from_pretrained(tmp_path, **override)
 
 
 def test_bad_inputs_fail_at_once_with_clear_errors():
