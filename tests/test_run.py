@@ -53,6 +53,34 @@ def test_cli_trains_a_checkpoint_that_decodes(tiny_setup, tmp_path):
     assert torch.equal(out_ids, expected)
 
 
+def test_continue_a_baseline_with_carryover_and_the_control(tiny_setup, tmp_path):
+    """The paper's recipe: carryover continues the baseline checkpoint (its weights, a fresh optimizer and schedule),
+    and the fair control continues it for the same steps without carryover."""
+    root, target = tiny_setup
+    baseline = tmp_path / "baseline"
+    run_main(cli_args(root, baseline, "--max_steps", "3", "--save_strategy", "no"))
+    start = mc.CarryoverDrafterModel.from_pretrained(baseline).state_dict()
+
+    # learning rate 0: what the continued run starts from is exactly the checkpoint
+    frozen = run_main(cli_args(root, tmp_path / "lr0", "--drafter_checkpoint", str(baseline), "--carryover",
+                               "--learning_rate", "0", "--carry_embedding_lr", "0", "--max_steps", "1", "--save_strategy", "no"))
+    for name, weight in frozen.model.state_dict().items():
+        torch.testing.assert_close(weight, start[name], atol=0, rtol=0, msg=name)
+
+    continued = {}
+    for name, extra in (("carryover", ["--carryover"]), ("control", [])):
+        trainer = run_main(cli_args(root, tmp_path / name, "--drafter_checkpoint", str(baseline), "--max_steps", "2",
+                                    "--save_strategy", "no", "--lr_scheduler_type", "constant", *extra))
+        assert trainer.state.global_step == 2  # a new run, not the baseline's step count continued
+        assert trainer.optimizer.state_dict()["state"][0]["step"].item() == 2  # a fresh optimizer: 2 steps of Adam
+        saved = mc.CarryoverDrafterModel.from_pretrained(tmp_path / name)
+        assert saved.config.carryover is (name == "carryover")  # each decodes the way it was trained
+        continued[name] = saved.state_dict()
+    assert not torch.equal(continued["carryover"]["fc.weight"], continued["control"]["fc.weight"])
+    assert torch.equal(continued["control"]["carry_embedding"], start["carry_embedding"])  # untouched without carryover
+    assert not torch.equal(continued["carryover"]["carry_embedding"], start["carry_embedding"])
+
+
 class StopAt(TrainerCallback):
     def __init__(self, step):
         self.step = step
@@ -110,17 +138,22 @@ def torchrun(root, weights_dir, port, *extra, env=None):
     return result.stdout
 
 
+def assert_trained(initial_path, trained):
+    """Every weight moved from where training started."""
+    initial = torch.load(initial_path)
+    assert initial.keys() == trained.keys()
+    moved = {name for name in trained if not torch.equal(trained[name], initial[name])}
+    assert moved == set(trained), set(trained) - moved
+
+
 @pytest.mark.parametrize("markov_rank", [0, 8])  # the Markov head's loss runs outside the DDP-wrapped forward
 def test_torchrun_two_processes_keep_identical_weights(tiny_setup, tmp_path, markov_rank):
     root, _ = tiny_setup
     torchrun(root, tmp_path, 29517 + markov_rank, "--markov_rank", str(markov_rank))
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
-    initial = make_drafter(make_target("llama"), block_size=4, markov_rank=markov_rank).state_dict()
-    changed = 0
     for name, weight in rank0.items():
         torch.testing.assert_close(weight, rank1[name], atol=0, rtol=0, msg=name)
-        changed += not torch.equal(weight, initial.get(name, weight))
-    assert changed > 0  # they trained, and stayed identical
+    assert_trained(tmp_path / "initial.pt", rank0)
 
 
 def test_fsdp_shards_the_drafter_and_trains_like_ddp(tiny_setup, tmp_path):
@@ -139,6 +172,7 @@ def test_fsdp_shards_the_drafter_and_trains_like_ddp(tiny_setup, tmp_path):
     assert "type DistributedType.FSDP sharded True" in stdout
     ddp, fsdp_weights = torch.load(tmp_path / "ddp" / "rank0.pt"), torch.load(tmp_path / "fsdp" / "rank0.pt")
     assert ddp.keys() == fsdp_weights.keys()
+    assert_trained(tmp_path / "fsdp" / "initial.pt", fsdp_weights)
     assert not torch.equal(ddp["carry_embedding"], torch.zeros_like(ddp["carry_embedding"]))
     for name in ddp:
         torch.testing.assert_close(fsdp_weights[name], ddp[name], atol=1e-5, rtol=1e-4, msg=name)

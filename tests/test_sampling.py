@@ -1,7 +1,8 @@
 """Lossless speculative sampling (T > 0): the distribution of generated tokens equals the target's own.
 
 A tiny vocabulary makes the exact distribution computable by enumeration; thousands of carryover `generate` calls
-sample from it. The same test detects a generator whose candidate logits are not those its drafts were drawn from.
+sample from it, with carryover on (proposals read the previous round's rejected rows). The same test detects a
+generator whose candidate logits are not those its drafts were drawn from.
 """
 
 import pytest
@@ -70,7 +71,9 @@ def test_sampling_matches_target_distribution(markov_rank, setting):
     rounds = []
 
     def speculative(ids):
-        out = mc.generate(target, ids, assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=True, **kwargs)
+        out = mc.generate(
+            target, ids, assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=True, carryover=True, **kwargs
+        )
         rounds.extend(drafter.generation_stats.rounds)
         return out
 
@@ -79,6 +82,7 @@ def test_sampling_matches_target_distribution(markov_rank, setting):
     assert max(r.proposed for r in rounds) == 2
     accepted = sum(r.accepted for r in rounds) / sum(r.proposed for r in rounds)
     assert 0.2 < accepted < 0.95, accepted
+    assert sum(r.carried > 0 for r in rounds) > 0.1 * len(rounds)  # carryover rounds are part of what is judged
     tv = total_variation(sampled, exact)
     # 2000 samples of a 6-way distribution: sampling noise gives TV ~0.02; a biased sampler gives far more
     assert tv.max() < 0.06, tv

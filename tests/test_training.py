@@ -10,19 +10,20 @@ from conftest import greedy_dataset, make_drafter, make_target, train_drafter, t
 from transformers import DynamicCache
 
 import modeling_carryover as mc
-from modeling_carryover.modeling_carryover import block_attention
+from modeling_carryover.modeling_carryover import block_attention, hidden_state_request, layer_outputs
 from trainer.objectives import (
     Batch,
     LossSettings,
     block_labels,
     block_losses,
+    blocks_at,
     context_visibility,
     draft_verify,
     drafter_hidden,
     position_weights,
     sample_anchors,
 )
-from trainer.verification import target_pass, verify_branches
+from trainer.verification import check_verification_support, target_pass, verify_branches
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,8 +117,51 @@ def test_labels_and_position_weights_by_hand():
     labels, label_valid = block_labels(input_ids, loss_mask, anchors, valid, num_slots=3)
     assert labels.tolist() == [[[13, 14, 15], [15, 16, 16]]]  # slot k -> token[a + k]; clamped past the end
     assert label_valid.tolist() == [[[True, True, True], [True, False, False]]]  # 16 is outside the mask, 7 outside T
+    # a gap in the mask (a user turn between two assistant turns) ends the block's labels: no draft crosses it
+    gap_mask = torch.tensor([[0, 1, 1, 0, 1, 1, 1]])
+    _, label_valid = block_labels(input_ids, gap_mask, torch.tensor([[1]]), torch.tensor([[True]]), num_slots=4)
+    assert label_valid.tolist() == [[[True, False, False, False]]]
     weights = position_weights(3, gamma=2.0)
     torch.testing.assert_close(weights, torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)]))
+
+
+def test_teacher_forcing_inputs_by_hand():
+    """Slot k of the block at a: label token[a + k]; the Markov head's previous token token[a + k - 1] (the anchor for
+    slot 1); the target distribution it matches is the one after that token, i.e. the target's final hidden state at
+    a + k - 1, which is what the target's own LM head turns into its logits."""
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16]])
+    ones = torch.ones_like(input_ids)
+    final_hidden = torch.arange(7.0)[None, :, None].expand(1, 7, 2)  # row t holds t
+    batch = Batch(input_ids, ones, ones, features=None, target_final_hidden=final_hidden)
+    labels, label_valid, prev_token_ids, target_hidden = blocks_at(batch, torch.tensor([[2]]), torch.tensor([[True]]), 3)
+    assert labels.tolist() == [[[13, 14, 15]]] and label_valid.all()
+    assert prev_token_ids.tolist() == [[[12, 13, 14]]]
+    assert target_hidden[..., 0].tolist() == [[[2.0, 3.0, 4.0]]]
+
+    target = make_target("llama")
+    num_layers = target.config.num_hidden_layers
+    sequence = torch.randint(0, target.config.vocab_size, (1, 12))
+    recorded = target_pass(target, sequence, torch.ones_like(sequence), hidden_state_request([num_layers - 1]))
+    final = layer_outputs(recorded.hidden_states, [num_layers - 1], num_layers)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(target.lm_head(final), target(sequence).logits)
+
+
+def test_loss_gamma_defaults_to_the_reference_and_is_configurable(tmp_path):
+    from transformers import TrainingArguments
+
+    from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer
+
+    target = make_target("llama")
+    dataset = greedy_dataset(target, num_rows=2, new_tokens=8)
+
+    def gamma(block_size, **kwargs):
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+        trainer = CarryoverTrainer(model=make_drafter(target, block_size=block_size), args=args, train_dataset=dataset,
+                                   target_model=target, carryover_args=CarryoverArguments(**kwargs))
+        return trainer.loss_settings.gamma
+
+    assert (gamma(8), gamma(16), gamma(16, loss_gamma=2.5)) == (4.0, 7.0, 2.5)
 
 
 def test_anchor_sampling_respects_the_loss_mask():
@@ -270,6 +314,96 @@ def test_parallel_verification_equals_what_generate_observes():
             torch.testing.assert_close(verified.hidden_states[layer][0, i], states[layer][0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [
+        ("llama", {"attn_implementation": "sdpa"}),
+        ("llama", {"attn_implementation": "eager"}),
+        ("qwen3-sliding", {}),  # full and sliding-window layers: one mask per type
+        ("mistral", {"sliding_window": 6, "attn_implementation": "eager"}),  # every layer sliding, one mask
+    ],
+)
+def test_parallel_verification_equals_one_forward_per_branch(kind, overrides):
+    """Every branch of the packed verification (a right-padded batch, chunked) equals a plain target forward over
+    `token[: a + 1] + drafts` with the target's own masks: the same greedy tokens, accepted lengths and hidden states,
+    with eager and SDPA attention (a 4D mask reaches both as given) and sliding-window layers."""
+    target = make_target(kind, **overrides)
+    lengths, c = (30, 24), 3
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.zeros(2, max(lengths), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, n in enumerate(lengths):
+        prompt = torch.randint(0, target.config.vocab_size, (1, 4), generator=generator)
+        input_ids[i, :n] = target.generate(prompt, max_new_tokens=n - 4, do_sample=False)[0]
+        attention_mask[i, :n] = 1
+    anchors = torch.tensor([[2, 9, 17, 25], [3, 11, 16, 20]])
+    # the recorded continuation (greedy: accepted) with one slot replaced from a random position on
+    drafts = torch.stack([input_ids[i, (anchors[i, :, None] + torch.arange(1, c + 1)).clamp(max=lengths[i] - 1)] for i in range(2)])
+    wrong = torch.randint(0, c + 1, (2, 4), generator=generator)
+    drafts = torch.where(torch.arange(c)[None, None] == wrong[..., None], (drafts + 1) % target.config.vocab_size, drafts)
+    indices = [1, 3, 4]
+    recorded = target_pass(target, input_ids, attention_mask, indices, use_cache=True)
+    verified = verify_branches(target, recorded, input_ids, anchors, drafts, indices, chunk_size=3)
+    assert 0 < verified.accepted_len.sum() < verified.accepted_len.numel() * c  # accepted and rejected drafts
+    for i, j in [(i, j) for i in range(2) for j in range(4)]:
+        a = anchors[i, j].item()
+        branch = torch.cat([input_ids[i, : a + 1], drafts[i, j]])[None]
+        with torch.no_grad():
+            out = target(branch, output_hidden_states=True)
+        greedy = out.logits[0, a:].argmax(-1)
+        assert verified.greedy_tokens[i, j].tolist() == greedy.tolist()
+        assert verified.accepted_len[i, j].item() == (drafts[i, j] == greedy[:-1]).long().cumprod(0).sum().item()
+        for layer in indices:
+            torch.testing.assert_close(verified.hidden_states[layer][i, j], out.hidden_states[layer][0, a:], atol=1e-5, rtol=1e-5)
+
+
+def test_carryover_trains_and_decodes_losslessly_on_a_sliding_window_target():
+    """A hybrid target (full + sliding-window layers, window 6 < block 8): carryover training runs with the real
+    Trainer, and the trained drafter decodes exactly the target's greedy output with long accepted spans."""
+    target, drafter, dataset = trained_drafter("qwen3-sliding", 8, 0)
+    rounds = []
+    for row in dataset.select(range(4)):
+        prompt = torch.tensor([row["input_ids"][:6]])
+        expected = target.generate(prompt, max_new_tokens=60, do_sample=False)
+        assert torch.equal(mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=60), expected)
+        rounds += drafter.generation_stats.rounds
+    assert any(0 < r.accepted < r.proposed for r in rounds) and any(r.carried for r in rounds)
+    assert sum(r.accepted + 1 for r in rounds) / len(rounds) > 2
+
+
+def test_carryover_training_refuses_a_target_without_a_4d_mask():
+    """Flash attention ignores a custom 4D mask: carryover training says so before it starts."""
+    target = make_target("llama")
+    target.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="4D attention mask"):
+        check_verification_support(target)
+    check_verification_support(make_target("qwen3-sliding"))
+
+
+def test_accepted_length_follows_the_record_where_greedy_verification_disagrees():
+    """Where the recorded response is not this forward's greedy choice (a near-tie decided otherwise, or sampled data),
+    m follows the record: drafts that repeat the record are committed, never carried as "rejected" rows (those rows
+    would be the true continuation's own features: a label leak decoding never sees)."""
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4)  # untrained: its drafts are not the target's greedy tokens
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    sequence = target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=17, do_sample=False)
+    anchors, valid = torch.tensor([[10]]), torch.tensor([[True]])
+    with torch.no_grad():
+        batch, _ = _batch_of(target, drafter, sequence)
+        drafts = drafter.greedy_drafts(lm_head(drafter_hidden(drafter, embed, batch, anchors, valid)), sequence[0, 10])
+    sequence[0, 11:14] = drafts[0, 0]  # a record that says the drafts were generated (and context < 10 is unchanged)
+    batch, recorded = _batch_of(target, drafter, sequence)
+    transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=4)
+    with torch.no_grad():
+        greedy = target(sequence[:, :14]).logits[0, 10:13].argmax(-1)
+    verified = (drafts[0, 0] == greedy).long().cumprod(0).sum().item()
+    assert verified < 3 and transition.verified_len.item() == verified  # the target itself rejects a draft
+    assert transition.accepted_len.item() == 3  # but all three drafts are the record: committed, none carried
+    assert transition.carried[2].sum().item() == 0
+    assert transition.shifted_anchor_positions.item() == 14
+
+
 def test_first_draft_of_training_equals_decoding_proposal():
     """Algorithm 2's detached first draft at an anchor is the proposal carryover-OFF decoding makes there."""
     target, drafter, dataset = trained_drafter("llama", 4, 8)
@@ -286,6 +420,10 @@ def test_first_draft_of_training_equals_decoding_proposal():
     transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=2)
     assert transition.accepted_len[0].tolist() == [r.accepted for r in rounds]
     assert torch.equal(transition.shifted_anchor_positions, anchors + transition.accepted_len + 1)
+    # fully accepted proposals stay in the loss, with empty carried context; the others carry their rejected rows
+    full = transition.accepted_len == 3
+    assert full.any() and (~full).any() and transition.shifted_anchor_valid.all()
+    assert transition.carried[2].sum(-1).tolist() == (3 - transition.accepted_len).tolist()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -344,6 +482,32 @@ def test_carry_embedding_moves_and_is_used():
         unmarked = drafter_hidden(drafter, embed, batch, transition.shifted_anchor_positions, valid, carried)
         drafter.carry_embedding.copy_(saved)
     assert (marked - unmarked).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("interface", ["projector", "none"])
+def test_carryover_interface_ablations_train_and_decode(interface):
+    """Table 3b's markers: switching a trained drafter's interface keeps every shared weight; carryover training then
+    trains the projector (or runs with no marker at all), and decoding stays lossless."""
+    from trainer.build import switch_carryover_interface
+
+    target, trained, dataset = trained_drafter("llama", 4, 0)
+    drafter = switch_carryover_interface(trained, interface)
+    before = drafter.state_dict()
+    for name, weight in trained.state_dict().items():
+        if name != "carry_embedding":
+            assert torch.equal(before[name], weight), name
+    assert set(before) - set(trained.state_dict()) == ({"carry_proj.weight"} if interface == "projector" else set())
+    assert "carry_embedding" not in before
+    train_drafter(target, drafter, dataset, carryover=True, epochs=1)
+    if interface == "projector":
+        assert drafter.carry_proj.weight.abs().sum() > 0  # it started at zero and learned
+    rounds = []
+    for row in dataset.select(range(3)):
+        prompt = torch.tensor([row["input_ids"][:6]])
+        expected = target.generate(prompt, max_new_tokens=40, do_sample=False)
+        assert torch.equal(mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=40), expected)
+        rounds += drafter.generation_stats.rounds
+    assert any(r.carried for r in rounds)
 
 
 def test_init_from_target_starts_lower():

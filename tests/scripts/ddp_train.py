@@ -1,4 +1,5 @@
-"""Run trainer/run.py's main under torchrun and write the trained drafter weights, to compare ranks and runs.
+"""Run trainer/run.py's main under torchrun and write the drafter weights before (initial.pt) and after training, to
+compare ranks and runs.
 
 DDP: every rank writes its own weights (rank<r>.pt). FSDP (`--fsdp ...`): the full state dict is gathered and rank 0
 writes it. accelerate maps multi-process CPU runs to DDP even when FSDP is asked for (its FSDP switch lists
@@ -29,6 +30,21 @@ def allow_fsdp_on_cpu():
     AcceleratorState.__init__ = init
 
 
+def save_initial_weights(weights_dir):
+    """Rank 0 writes the drafter's weights as training starts (initial.pt): the test checks that they moved."""
+    from trainer.carryover_trainer import CarryoverTrainer
+
+    train = CarryoverTrainer.train
+
+    def recorded_train(self, *args, **kwargs):
+        if int(os.environ.get("RANK", 0)) == 0:
+            state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+            torch.save(state, os.path.join(weights_dir, "initial.pt"))
+        return train(self, *args, **kwargs)
+
+    CarryoverTrainer.train = recorded_train
+
+
 if __name__ == "__main__":
     if os.environ.get("CARRYOVER_TEST_CPU_FSDP") == "1":
         allow_fsdp_on_cpu()
@@ -37,6 +53,7 @@ if __name__ == "__main__":
     from trainer.run import end_distributed, main
 
     weights_dir, argv = sys.argv[1], sys.argv[2:]
+    save_initial_weights(weights_dir)
     trainer = main(argv)
     rank = int(os.environ.get("RANK", 0))
     sharded = isinstance(trainer.accelerator.unwrap_model(trainer.model).fc.weight, DTensor)
