@@ -270,23 +270,27 @@ def test_training_logits_equal_decoding_logits(markov_rank):
     assert carried[2].sum() == 6 and torch.equal(carried[1][..., 0], anchors)  # rejected rows start at the anchor
 
     with torch.no_grad():
-        training = lm_head(drafter_hidden(drafter, embed, batch, anchors, valid, carried))  # [1, 3, c, V]
-        for n, a in enumerate(anchors[0].tolist()):
-            cache, half = DynamicCache(), a // 2
-            block_ids, block_positions = drafter.block_inputs(sequence[:, a], torch.tensor([a]))
-            block = (embed(block_ids)[:, None], block_positions[:, None])
-            # an earlier round committed the first half of the rows; this round commits the rest and reads the carried
-            drafter(*block, past_key_values=cache, context_features=batch.features[:, :half], context_position_ids=torch.arange(half)[None])
-            out = drafter(
-                *block,
-                past_key_values=cache,
-                context_features=batch.features[:, half:a],
-                context_position_ids=torch.arange(half, a)[None],
-                carried_features=carried[0][:, n : n + 1, :2],
-                carried_position_ids=carried[1][:, n : n + 1, :2],
-            )
-            decoding = lm_head(out.last_hidden_state[0, 0, 1:])
-            torch.testing.assert_close(training[0, n], decoding, atol=1e-4, rtol=1e-4)
+        for rows in (carried, None):  # with and without carried rejected rows
+            training = lm_head(drafter_hidden(drafter, embed, batch, anchors, valid, rows))  # [1, 3, c, V]
+            for n, a in enumerate(anchors[0].tolist()):
+                cache, half = DynamicCache(), a // 2
+                block_ids, block_positions = drafter.block_inputs(sequence[:, a], torch.tensor([a]))
+                block = (embed(block_ids)[:, None], block_positions[:, None])
+                # an earlier round committed the first half of the rows; this round commits the rest (and reads the
+                # carried rows)
+                drafter(*block, past_key_values=cache, context_features=batch.features[:, :half], context_position_ids=torch.arange(half)[None])
+                carried_rows = {} if rows is None else {
+                    "carried_features": rows[0][:, n : n + 1, :2], "carried_position_ids": rows[1][:, n : n + 1, :2]
+                }
+                out = drafter(
+                    *block,
+                    past_key_values=cache,
+                    context_features=batch.features[:, half:a],
+                    context_position_ids=torch.arange(half, a)[None],
+                    **carried_rows,
+                )
+                decoding = lm_head(out.last_hidden_state[0, 0, 1:])
+                torch.testing.assert_close(training[0, n], decoding, atol=1e-4, rtol=1e-4)
 
 
 def test_parallel_verification_equals_what_generate_observes():
@@ -336,7 +340,7 @@ def test_parallel_verification_equals_one_forward_per_branch(kind, overrides):
         prompt = torch.randint(0, target.config.vocab_size, (1, 4), generator=generator)
         input_ids[i, :n] = target.generate(prompt, max_new_tokens=n - 4, do_sample=False)[0]
         attention_mask[i, :n] = 1
-    anchors = torch.tensor([[2, 9, 17, 25], [3, 11, 16, 20]])
+    anchors = torch.tensor([[2, 9, 17, 28], [3, 11, 16, 22]])  # the last branches run past the response's end
     # the recorded continuation (greedy: accepted) with one slot replaced from a random position on
     drafts = torch.stack([input_ids[i, (anchors[i, :, None] + torch.arange(1, c + 1)).clamp(max=lengths[i] - 1)] for i in range(2)])
     wrong = torch.randint(0, c + 1, (2, 4), generator=generator)
