@@ -19,6 +19,7 @@ Each round (batch size 1, like all assisted generation in transformers):
 """
 
 import contextlib
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -322,7 +323,12 @@ def generate(model, *args, assistant_model=None, carryover=None, streamer=None, 
             raise ValueError("stop_strings need the tokenizer: generate(..., stop_strings=..., tokenizer=tokenizer).")
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         criteria.append(StopStringCriteria(tokenizer, stop_strings))
-        kwargs.update(stopping_criteria=criteria, stop_strings=None)
+        kwargs["stopping_criteria"] = criteria
+        if "generation_config" in kwargs:  # the caller's object stays as it is
+            kwargs["generation_config"] = copy.deepcopy(generation_config)
+            kwargs["generation_config"].stop_strings = None
+        else:
+            kwargs["stop_strings"] = None
     return GenerationMixin.generate(
         model,
         *args,

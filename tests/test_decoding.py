@@ -5,7 +5,7 @@ Trainer, the real `generate` loop."""
 import pytest
 import torch
 from conftest import make_drafter, make_target, trained_drafter
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import modeling_carryover as mc
 from trainer.verification import target_pass, verify_branches
@@ -99,6 +99,11 @@ def test_stop_strings_and_custom_criteria_inside_a_block():
                 last = drafter.generation_stats.rounds[-1]
                 mid_round += last.anchor_position + last.accepted + 1 > out.sequences.shape[1] - 1  # cut inside it
     assert mid_round >= 2  # the case that needs the cut happened
+    # stop strings set in a generation config (the caller's object is left unchanged)
+    config = GenerationConfig(max_new_tokens=60, do_sample=False, stop_strings=[word])
+    expected = target.generate(prompt, generation_config=config, tokenizer=tokenizer)
+    assert torch.equal(mc.generate(target, prompt, assistant_model=drafter, generation_config=config, tokenizer=tokenizer), expected)
+    assert config.stop_strings == [word]
     with pytest.raises(ValueError, match="tokenizer"):
         mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=10, stop_strings=["w1"])
 
