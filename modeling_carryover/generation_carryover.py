@@ -27,7 +27,14 @@ import torch
 
 from transformers import DynamicCache, GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
 
 
 @dataclass
@@ -215,8 +222,12 @@ class FirstStopInRound(StoppingCriteria):
 
     def __init__(self, criteria: StoppingCriteriaList, prompt_length: int):
         self.criteria, self.checked_length, self.stop_length = criteria, prompt_length, None
+        # transformers cuts EOS and max length itself (and max time is round-grained anyway): no prefix checks then
+        self.cut_by_transformers = all(isinstance(c, (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria)) for c in criteria)
 
     def __call__(self, input_ids, scores, **kwargs):
+        if self.cut_by_transformers:
+            return self.criteria(input_ids, scores, **kwargs)
         for length in range(self.checked_length + 1, input_ids.shape[1] + 1):
             if self.stop_length is None and self.criteria(input_ids[:, :length], scores, **kwargs).any():
                 self.stop_length = length

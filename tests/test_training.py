@@ -235,6 +235,17 @@ def test_markov_losses_by_hand():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def lossless_rounds(target, drafter, dataset, num_prompts, max_new_tokens):
+    """Carryover-decode the first prompts of `dataset`, asserting each output is the target's greedy one; the rounds."""
+    rounds = []
+    for row in dataset.select(range(num_prompts)):
+        prompt = torch.tensor([row["input_ids"][:6]])
+        expected = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False)
+        assert torch.equal(mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=max_new_tokens), expected)
+        rounds += drafter.generation_stats.rounds
+    return rounds
+
+
 def _batch_of(target, drafter, sequence, markov=False):
     indices = drafter.feature_hidden_state_indices
     recorded = target_pass(target, sequence, torch.ones_like(sequence), indices, use_cache=True)
@@ -365,12 +376,7 @@ def test_carryover_trains_and_decodes_losslessly_on_a_sliding_window_target():
     """A hybrid target (full + sliding-window layers, window 6 < block 8): carryover training runs with the real
     Trainer, and the trained drafter decodes exactly the target's greedy output with long accepted spans."""
     target, drafter, dataset = trained_drafter("qwen3-sliding", 8, 0)
-    rounds = []
-    for row in dataset.select(range(4)):
-        prompt = torch.tensor([row["input_ids"][:6]])
-        expected = target.generate(prompt, max_new_tokens=60, do_sample=False)
-        assert torch.equal(mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=60), expected)
-        rounds += drafter.generation_stats.rounds
+    rounds = lossless_rounds(target, drafter, dataset, num_prompts=4, max_new_tokens=60)
     assert any(0 < r.accepted < r.proposed for r in rounds) and any(r.carried for r in rounds)
     assert sum(r.accepted + 1 for r in rounds) / len(rounds) > 2
 
@@ -505,13 +511,7 @@ def test_carryover_interface_ablations_train_and_decode(interface):
     train_drafter(target, drafter, dataset, carryover=True, epochs=1)
     if interface == "projector":
         assert drafter.carry_proj.weight.abs().sum() > 0  # it started at zero and learned
-    rounds = []
-    for row in dataset.select(range(3)):
-        prompt = torch.tensor([row["input_ids"][:6]])
-        expected = target.generate(prompt, max_new_tokens=40, do_sample=False)
-        assert torch.equal(mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=40), expected)
-        rounds += drafter.generation_stats.rounds
-    assert any(r.carried for r in rounds)
+    assert any(r.carried for r in lossless_rounds(target, drafter, dataset, num_prompts=3, max_new_tokens=40))
 
 
 def test_init_from_target_starts_lower():
