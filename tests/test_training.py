@@ -356,7 +356,8 @@ def test_parallel_verification_equals_one_forward_per_branch(kind, overrides):
     drafts = torch.stack([input_ids[i, (anchors[i, :, None] + torch.arange(1, c + 1)).clamp(max=lengths[i] - 1)] for i in range(2)])
     wrong = torch.randint(0, c + 1, (2, 4), generator=generator)
     drafts = torch.where(torch.arange(c)[None, None] == wrong[..., None], (drafts + 1) % target.config.vocab_size, drafts)
-    indices = [1, 3, 4]
+    layers, num_layers = [0, 2, 3], target.config.num_hidden_layers
+    indices = hidden_state_request(layers)
     recorded = target_pass(target, input_ids, attention_mask, indices, use_cache=True)
     verified = verify_branches(target, recorded, input_ids, anchors, drafts, indices, chunk_size=3)
     assert 0 < verified.accepted_len.sum() < verified.accepted_len.numel() * c  # accepted and rejected drafts
@@ -368,8 +369,9 @@ def test_parallel_verification_equals_one_forward_per_branch(kind, overrides):
         greedy = out.logits[0, a:].argmax(-1)
         assert verified.greedy_tokens[i, j].tolist() == greedy.tolist()
         assert verified.accepted_len[i, j].item() == (drafts[i, j] == greedy[:-1]).long().cumprod(0).sum().item()
-        for layer in indices:
-            torch.testing.assert_close(verified.hidden_states[layer][i, j], out.hidden_states[layer][0, a:], atol=1e-5, rtol=1e-5)
+        branch_states = layer_outputs(verified.hidden_states, layers, num_layers)
+        for branch_state, state in zip(branch_states, layer_outputs(out.hidden_states, layers, num_layers)):
+            torch.testing.assert_close(branch_state[i, j], state[0, a:], atol=1e-5, rtol=1e-5)
 
 
 def test_carryover_trains_and_decodes_losslessly_on_a_sliding_window_target():
