@@ -228,10 +228,10 @@ class FirstStopInRound(StoppingCriteria):
     def __call__(self, input_ids, scores, **kwargs):
         if self.cut_by_transformers:
             return self.criteria(input_ids, scores, **kwargs)
-        for length in range(self.checked_length + 1, input_ids.shape[1] + 1):
-            if self.stop_length is None and self.criteria(input_ids[:, :length], scores, **kwargs).any():
-                self.stop_length = length
-        self.checked_length = input_ids.shape[1]
+        while self.stop_length is None and self.checked_length < input_ids.shape[1]:
+            self.checked_length += 1
+            if self.criteria(input_ids[:, : self.checked_length], scores, **kwargs).any():
+                self.stop_length = self.checked_length
         return torch.full((input_ids.shape[0],), self.stop_length is not None, dtype=torch.bool, device=input_ids.device)
 
 
@@ -309,6 +309,24 @@ def carryover_decoding(
     return cut_output(output, first_stop.stop_length)
 
 
+def _stop_strings_as_criterion(model, kwargs):
+    """transformers does not hand `tokenizer` to a custom decoding function: turn stop strings (from the call or a
+    generation config) into a `StopStringCriteria` in `kwargs` here, leaving the caller's config as it is."""
+    generation_config = kwargs.get("generation_config") or model.generation_config
+    stop_strings = kwargs.pop("stop_strings", None) or generation_config.stop_strings
+    tokenizer = kwargs.pop("tokenizer", None)
+    if not stop_strings:
+        return
+    if tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer: generate(..., stop_strings=..., tokenizer=tokenizer).")
+    kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), StopStringCriteria(tokenizer, stop_strings)])
+    if "generation_config" in kwargs:
+        kwargs["generation_config"] = copy.deepcopy(generation_config)
+        kwargs["generation_config"].stop_strings = None
+    else:
+        kwargs["stop_strings"] = None
+
+
 def generate(model, *args, assistant_model=None, carryover=None, streamer=None, **kwargs):
     """Speculative decoding of `model` (the target) with a Carryover drafter as `assistant_model`.
 
@@ -325,21 +343,7 @@ def generate(model, *args, assistant_model=None, carryover=None, streamer=None, 
             f"{type(assistant_model).__name__}."
         )
     kwargs.pop("custom_generate", None)
-    # transformers does not hand `tokenizer` to a custom decoding function: turn stop strings into a criterion here
-    generation_config = kwargs.get("generation_config") or model.generation_config
-    stop_strings = kwargs.pop("stop_strings", None) or generation_config.stop_strings
-    tokenizer = kwargs.pop("tokenizer", None)
-    if stop_strings:
-        if tokenizer is None:
-            raise ValueError("stop_strings need the tokenizer: generate(..., stop_strings=..., tokenizer=tokenizer).")
-        criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
-        criteria.append(StopStringCriteria(tokenizer, stop_strings))
-        kwargs["stopping_criteria"] = criteria
-        if "generation_config" in kwargs:  # the caller's object stays as it is
-            kwargs["generation_config"] = copy.deepcopy(generation_config)
-            kwargs["generation_config"].stop_strings = None
-        else:
-            kwargs["stop_strings"] = None
+    _stop_strings_as_criterion(model, kwargs)
     return GenerationMixin.generate(
         model,
         *args,

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from modeling_carryover.modeling_carryover import hidden_state_request, layer_outputs
 
-from .verification import target_pass, verify_branches
+from .verification import leading_matches, target_pass, verify_branches
 
 
 def default_gamma(block_size: int) -> float:
@@ -234,8 +234,7 @@ def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded,
     with record_function("carryover.verify"):
         verified = verify_branches(target, recorded, batch.input_ids, anchor_positions, drafts, indices, chunk_size)
     labels, label_valid = block_labels(batch.input_ids, batch.loss_mask, anchor_positions, anchor_valid, num_slots)
-    agrees_with_record = ((drafts == labels) & label_valid).long().cumprod(-1).sum(-1)
-    accepted_len = agrees_with_record
+    accepted_len = leading_matches((drafts == labels) & label_valid)  # the drafts that repeat the record
     verified_len = torch.minimum(verified.accepted_len, label_valid.sum(-1))  # past the response, nothing to compare
 
     branch_features = module.target_features(verified.hidden_states)  # [S, N, B, F]: the verified blocks

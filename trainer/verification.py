@@ -147,6 +147,10 @@ def verify_branches(target, recorded: TargetPass, input_ids, anchor_positions, d
     )
     greedy_tokens = torch.cat(token_chunks, dim=1)
     # draft k is accepted while every draft before it was and it equals the target's argmax at the previous slot
-    matches = drafts == greedy_tokens[..., :-1]
-    accepted_len = matches.long().cumprod(dim=-1).sum(dim=-1)
+    accepted_len = leading_matches(drafts == greedy_tokens[..., :-1])
     return BranchVerification(hidden_states=hidden_states, greedy_tokens=greedy_tokens, accepted_len=accepted_len)
+
+
+def leading_matches(matches):
+    """Greedy acceptance: how many leading slots match. [..., c] bool -> [...] long"""
+    return matches.long().cumprod(dim=-1).sum(dim=-1)
