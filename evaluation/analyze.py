@@ -293,7 +293,7 @@ def run_analysis(command, args: AnalysisArguments) -> dict:
     specs = [parse_drafter(f"carryover={args.drafter}:on")]
     if args.baseline:
         specs.append(parse_drafter(f"baseline={args.baseline}:off"))
-    loaded = load_drafters(specs, target, device, getattr(torch, args.dtype))
+    loaded = load_drafters(specs, target, getattr(torch, args.dtype))
     drafters = {name: model for name, (model, _) in loaded.items()}
     drafter = drafters["carryover"]
     indices = sorted({i for model in drafters.values() for i in model.feature_hidden_state_indices})

@@ -25,12 +25,13 @@ if __package__ in (None, ""):
 
 import torch
 from tqdm.auto import tqdm
-from transformers import HfArgumentParser
 
 from evaluation.benchmarks import encode_prompt, load_benchmark
+from evaluation.run import load_drafter
 from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel, GenerationStats
 from modeling_carryover import generate as carryover_generate
 from modeling_carryover.generation_carryover import _synchronize
+from trainer.cli import parse_arguments
 from trainer.targets import load_target
 
 
@@ -79,23 +80,24 @@ class ForwardTimer:
         return seconds
 
 
-def benchmark_drafter(args, target):
+def benchmark_drafter(args, target, dtype):
+    """A new random drafter, or a checkpoint, made in `dtype` as `load_drafter` makes it (RoPE buffers stay fp32)."""
     if args.drafter == "new":
         torch.manual_seed(0)
         config = CarryoverDrafterConfig.from_target_config(
             target.config, num_hidden_layers=args.num_draft_layers, block_size=args.block_size
         )
-        return CarryoverDrafterModel(config)
-    return CarryoverDrafterModel.from_pretrained(args.drafter)
+        return CarryoverDrafterModel._from_config(config, dtype=dtype).to(target.device).eval()
+    return load_drafter(args.drafter, target, dtype)
 
 
 @torch.no_grad()
 def main(argv=None):
-    (args,) = HfArgumentParser(BenchArguments).parse_args_into_dataclasses(argv)
+    (args,) = parse_arguments(BenchArguments, argv)
     dtype = getattr(torch, args.dtype)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)
-    drafter = benchmark_drafter(args, target).to(device=target.device, dtype=dtype).eval()
+    drafter = benchmark_drafter(args, target, dtype)
     prompts = load_benchmark(args.benchmark, subsets=[args.subset], limit=args.num_prompts)[args.subset]
     target_timer, drafter_timer = ForwardTimer(target), ForwardTimer(drafter)
     # the drafter's logits and block embeddings come from the target's LM head and embedding, called directly

@@ -11,6 +11,7 @@ The token comes from --token, else HF_TOKEN, else the cached `hf auth login`.
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -18,13 +19,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from huggingface_hub import HfApi, ModelCard, get_token
-from transformers import HfArgumentParser
 
 from hub.convert import import_drafter
 from hub.model_card import render_model_card
 from modeling_carryover import CarryoverDrafterModel
 from trainer.carryover_trainer import TRAINING_SETTINGS_FILE as TRAINING_ARGUMENTS_FILE
+from trainer.cli import parse_arguments
 from trainer.targets import resolve_target_path
 
 EVAL_REPORT_FILE = "eval_report.json"
@@ -165,6 +167,7 @@ def check_in_fresh_process(folder: Path, target: str) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", FRESH_PROCESS_CHECK, str(folder.resolve()), resolve_target_path(target), str(CHECK_TOKENS)],
         cwd=tempfile.gettempdir(),  # `python -c` puts the working directory first on sys.path: keep it neutral
+        env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},  # the --threads setting
         capture_output=True,
         text=True,
         timeout=600,
@@ -218,7 +221,7 @@ def publish(args: PublishArguments) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    (args,) = HfArgumentParser(PublishArguments).parse_args_into_dataclasses(args=argv)
+    (args,) = parse_arguments(PublishArguments, argv)
     try:
         publish(args)
     except (PublishError, ValueError, OSError) as error:

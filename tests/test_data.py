@@ -396,10 +396,17 @@ def test_rows_without_an_anchor_are_dropped_with_a_warning(caplog):
     rows = Dataset.from_list([
         {"input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 1, 1, 1]},
         {"input_ids": [1, 2, 3], "loss_mask": [0, 0, 1]},  # one response token: no block can anchor
+        {"input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 1, 0, 1, 0]},  # two one-token turns: none either
     ])
     with caplog.at_level("WARNING", logger="trainer.build"):
         kept = prepare_rows(rows, max_seq_length=16)
-    assert kept["input_ids"] == [[1, 2, 3, 4, 5]]
-    assert "Dropped 1 of 2 rows" in caplog.text
-    with pytest.raises(ValueError, match="None of the 2 rows"):
+    assert kept["input_ids"] == [[1, 2, 3, 4, 5]] and kept["loss_mask"] == [[0, 0, 1, 1, 1]]
+    assert "Dropped 2 of 3 rows" in caplog.text
+    with pytest.raises(ValueError, match="None of the 3 rows"):
         prepare_rows(rows, max_seq_length=3)
+    # a batch of what is kept always anchors a block (a kept one-token-turn row stopped training midway)
+    from trainer.carryover_trainer import pad_collator
+    from trainer.objectives import sample_anchors
+
+    _, anchor_valid = sample_anchors(pad_collator(list(kept))["loss_mask"], num_anchors=4)
+    assert anchor_valid.any()

@@ -324,3 +324,29 @@ def test_benchmark_without_prompt_field_fails_before_measuring(workspace, tmp_pa
             "--benchmark", str(tmp_path / "bench"), "--output_dir", str(tmp_path / "out")]
     with pytest.raises(ValueError, match=r"chat\.jsonl, line 1: a record has no `prompt` field \(its fields: \['text'\]\)"):
         run.main(argv)
+
+
+def test_drafters_load_in_the_evaluation_dtype_with_fp32_rope(workspace):
+    """evaluation/run.py, analyze.py and bench_decoding.py load a drafter in bf16 the way from_pretrained(dtype=...)
+    and training make it: weights in bf16, RoPE inv_freq in fp32 (casting with .to(bf16) rounds it)."""
+    from transformers import AutoModel
+
+    from evaluation import bench_decoding
+
+    target, _ = load_target(str(workspace / "target"), tokenizer=False)
+    reference = AutoModel.from_pretrained(workspace / "carryover", trust_remote_code=True, dtype=torch.bfloat16)
+    loaded = {
+        "run": run.load_drafters([run.parse_drafter(f"c={workspace / 'carryover'}")], target, torch.bfloat16)["c"][0],
+        "bench": bench_decoding.benchmark_drafter(
+            bench_decoding.BenchArguments(drafter=str(workspace / "carryover")), target, torch.bfloat16
+        ),
+    }
+    for drafter in loaded.values():
+        assert drafter.dtype == torch.bfloat16 and not drafter.training
+        buffers = {name: b for name, b in drafter.named_buffers() if name.endswith("inv_freq")}
+        assert buffers and all(b.dtype == torch.float32 for b in buffers.values())
+        for name, b in buffers.items():
+            torch.testing.assert_close(b, dict(reference.named_buffers())[name], rtol=0, atol=0)
+    new = bench_decoding.benchmark_drafter(bench_decoding.BenchArguments(drafter="new", num_draft_layers=1), target, torch.bfloat16)
+    assert new.dtype == torch.bfloat16
+    assert all(b.dtype == torch.float32 for name, b in new.named_buffers() if name.endswith("inv_freq"))

@@ -1,6 +1,7 @@
 """`python trainer/run.py` end to end: a real CLI run whose checkpoint decodes, exact resume after an interruption,
 a real 2-process torchrun (gloo) run, and clear errors on bad input."""
 
+import json
 import os
 import subprocess
 import sys
@@ -39,12 +40,14 @@ def test_cli_trains_a_checkpoint_that_decodes(tiny_setup, tmp_path):
     out = tmp_path / "baseline"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
-        [sys.executable, "trainer/run.py", *cli_args(root, out, "--num_train_epochs", "2", "--save_strategy", "no")],
+        [sys.executable, "trainer/run.py", *cli_args(root, out, "--num_train_epochs", "2", "--save_strategy", "no", "--threads", "2")],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "pin_memory" not in result.stderr  # set only where an accelerator can use it
     files = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "modeling_carryover.py", "custom_generate", TRAINING_SETTINGS_FILE} <= files
+    assert json.loads((out / TRAINING_SETTINGS_FILE).read_text())["torch_threads"] == 2  # --threads, over OMP_NUM_THREADS
     drafter = mc.CarryoverDrafterModel.from_pretrained(out)
     assert drafter.config.carryover is False  # a baseline checkpoint decodes without carryover by default
     prompt = torch.randint(0, 96, (1, 6))
@@ -211,7 +214,7 @@ def test_bad_inputs_fail_before_writing_anything(tiny_setup, tmp_path):
         assert not out.exists()
 
     fails("lacks \\['loss_mask'\\]", dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
-    fails("two response tokens", dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 0, 1]]}))
+    fails("two consecutive response tokens", dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 0, 1]]}))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     out = tmp_path / "out_empty"
@@ -251,3 +254,32 @@ def test_yaml_config_and_a_peft_adapter_on_the_target(tiny_setup, tmp_path):
         used, expected, plain = (m(ids).logits for m in (trainer.target_model, merged, target))
     torch.testing.assert_close(used, expected)  # the trainer's target is base + adapter...
     assert not torch.allclose(used, plain)  # ...not the base model
+
+
+@pytest.mark.parametrize(
+    "module, argv",
+    [("trainer.run", []), ("trainer.regenerate", []), ("trainer.bench_training", []), ("evaluation.run", []),
+     ("evaluation.analyze", ["recall"]), ("evaluation.bench_decoding", []), ("hub.publish", [])],
+)
+def test_every_cli_takes_a_thread_setting(module, argv, capsys):
+    import importlib
+
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--help"])
+    assert exit_info.value.code == 0 and "--threads" in capsys.readouterr().out
+
+
+def test_thread_setting_is_applied_and_checked():
+    from trainer.cli import parse_arguments
+    from trainer.run import ARGUMENT_CLASSES
+
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(ValueError, match="--threads must be at least 1, got 0"):
+            parse_arguments(ARGUMENT_CLASSES, ["--output_dir", "x", "--threads", "0"])
+        assert torch.get_num_threads() == before
+        parsed = parse_arguments(ARGUMENT_CLASSES, ["--output_dir", "x", "--threads", "1"])
+        assert len(parsed) == len(ARGUMENT_CLASSES) and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -23,10 +23,10 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's own start/stop 
 import psutil
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import HfArgumentParser
 
 from trainer.build import DrafterArguments, build_drafter, load_training_rows, prepare_rows
 from trainer.carryover_trainer import pad_collator
+from trainer.cli import parse_arguments
 from trainer.objectives import LossSettings, default_gamma, training_step_loss
 from trainer.targets import load_target
 
@@ -141,11 +141,11 @@ def measure_mode(args, carryover: bool) -> dict:
 
 
 def main(argv=None):
-    (args,) = HfArgumentParser(BenchArguments).parse_args_into_dataclasses(argv)
+    (args,) = parse_arguments(BenchArguments, argv)
     report = {"settings": asdict(args), "torch_threads": torch.get_num_threads(), "modes": {}}
     context = multiprocessing.get_context("spawn")
     for mode, carryover in (("baseline", False), ("carryover", True)):
-        with context.Pool(1) as pool:
+        with context.Pool(1, initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)) as pool:
             report["modes"][mode] = pool.apply(measure_mode, (args, carryover))
     base, carry = report["modes"]["baseline"], report["modes"]["carryover"]
     report["carryover_step_cost_vs_baseline"] = carry["seconds_per_step"] / base["seconds_per_step"]

@@ -11,6 +11,7 @@ from datasets import Dataset
 from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
 
 from .data import MANIFEST, load_regenerated, load_rows
+from .objectives import anchor_eligible
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +131,8 @@ def load_training_rows(path: str) -> Dataset:
 
 
 def prepare_rows(dataset: Dataset, max_seq_length: int) -> Dataset:
-    """Check the columns, cut rows to `max_seq_length`, drop rows with fewer than two response tokens (no block can
-    be anchored there). Raises a ValueError saying what is wrong; nothing is written."""
+    """Check the columns, cut rows to `max_seq_length`, drop rows without two consecutive response tokens (no block can
+    be anchored there: `anchor_eligible`). Raises a ValueError saying what is wrong; nothing is written."""
     missing = {"input_ids", "loss_mask"} - set(dataset.column_names)
     if missing:
         raise ValueError(
@@ -144,15 +145,15 @@ def prepare_rows(dataset: Dataset, max_seq_length: int) -> Dataset:
     dataset = dataset.map(
         lambda row: {"input_ids": row["input_ids"][:max_seq_length], "loss_mask": row["loss_mask"][:max_seq_length]}
     )
-    usable = dataset.filter(lambda row: sum(row["loss_mask"]) >= 2)
+    usable = dataset.filter(lambda row: bool(anchor_eligible(torch.tensor(row["loss_mask"])).any()))
     if len(usable) == 0:
         raise ValueError(
-            f"None of the {len(dataset)} rows has two response tokens within max_seq_length={max_seq_length}: "
-            "nothing to train on (responses shorter than a block anchor)."
+            f"None of the {len(dataset)} rows has two consecutive response tokens within max_seq_length={max_seq_length}: "
+            "nothing to train on (no block can be anchored)."
         )
     if len(usable) < len(dataset):
         logger.warning(
-            f"Dropped {len(dataset) - len(usable)} of {len(dataset)} rows with fewer than two response tokens within "
+            f"Dropped {len(dataset) - len(usable)} of {len(dataset)} rows without two consecutive response tokens within "
             f"max_seq_length={max_seq_length} (no block can be anchored on them)."
         )
     return usable

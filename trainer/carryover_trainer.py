@@ -82,6 +82,8 @@ class CarryoverTrainer(Trainer):
             # rows are padded, never absent), but the Markov and confidence heads are applied outside the drafter's
             # forward: DDP's unused-parameter search would mark them ready early, then again in backward.
             training_args.ddp_find_unused_parameters = False
+        if training_args is not None and training_args.device.type == "cpu":
+            training_args.dataloader_pin_memory = False  # pinning needs an accelerator (torch warns on every run)
         super().__init__(*args, **kwargs)
         self.args.remove_unused_columns = False  # loss_mask is not a drafter forward argument
         self.carryover_args = carryover_args or CarryoverArguments()
@@ -197,6 +199,7 @@ class CarryoverTrainer(Trainer):
                     k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))
                 },
                 "target": getattr(self.target_model.config, "_name_or_path", None),
+                "torch_threads": torch.get_num_threads(),
             }
             with open(os.path.join(output_dir, TRAINING_SETTINGS_FILE), "w") as f:
                 json.dump(settings, f, indent=2, default=str)

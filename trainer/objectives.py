@@ -28,16 +28,22 @@ def position_weights(num_slots: int, gamma: float, device=None) -> torch.Tensor:
     return torch.exp(-torch.arange(num_slots, device=device, dtype=torch.float) / gamma)
 
 
+def anchor_eligible(loss_mask):
+    """Where a block can be anchored: positions a where loss_mask[a] and loss_mask[a + 1] hold (the anchor is a
+    response token and slot 1 has a label). loss_mask [..., T] -> [..., T] bool."""
+    mask = loss_mask.bool()
+    eligible = torch.zeros_like(mask)
+    eligible[..., :-1] = mask[..., :-1] & mask[..., 1:]
+    return eligible
+
+
 def sample_anchors(loss_mask, num_anchors: int):
-    """Random anchors per response, sorted: positions a where loss_mask[a] and loss_mask[a + 1] hold (the anchor is a
-    response token and slot 1 has a label). Fewer when the response is short.
+    """Random anchors per response, sorted, among the `anchor_eligible` positions. Fewer when the response is short.
 
     loss_mask [S, T] -> anchor_positions [S, N], anchor_valid [S, N] (padding anchors sit at position 0)
     """
     S, T = loss_mask.shape
-    mask = loss_mask.bool()
-    eligible = torch.zeros_like(mask)
-    eligible[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    eligible = anchor_eligible(loss_mask)
     counts = eligible.sum(-1)
     N = int(min(num_anchors, counts.max().item())) if counts.numel() else 0
     if N == 0:
