@@ -3,6 +3,7 @@
     python hub/convert.py --source z-lab/Qwen3-8B-DFlash-b16 --output_dir qwen3-8b-carryover      # import
     python hub/convert.py --source my-drafter --output_dir my-drafter-dflash --to dflash          # export
     python hub/convert.py --source my-drafter --output_dir my-drafter-spec --to speculators --verifier Qwen/Qwen3-8B
+    python hub/convert.py --source my-drafter --output_dir my-drafter-hf --to transformers    # transformers' DFlash
 
 The formats, as read in their public code:
 
@@ -10,7 +11,8 @@ The formats, as read in their public code:
   `model_type: qwen3` plus Qwen3 fields for the draft layers, `block_size` (top level; inside `dflash_config` in newer
   checkpoints), `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}`; weights `layers.*`, `fc`,
   `hidden_norm`, `norm`. Layer id l reads `hidden_states[l + 1]` and slot k of `[anchor, MASK...]` predicts
-  token[a + k]: both exactly as here, so an import is the same drafter.
+  token[a + k]: both exactly as here, so an import is the same drafter. Its sliding-window layers count the window
+  from each query slot, not from the anchor as speculators and this drafter do: refused.
 - DeepSpec DSpark (github deepseek-ai/DeepSpec, deepspec/modeling/dspark/): a Qwen3Config with top-level
   `target_layer_ids` (-1 = the embedding output), `mask_token_id`, `block_size`, `num_target_layers`, `markov_rank`,
   `markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov`; weights as z-lab's plus frozen copies of
@@ -24,6 +26,18 @@ The formats, as read in their public code:
   with - 1), `mask_token_id`, `block_size`, `draft_vocab_size`, `sample_from_anchor` (False: z-lab's layout),
   `speculators_config: {algorithm, proposal_methods: [{proposal_type, speculative_tokens}], default_proposal_method,
   verifier: {name_or_path, architectures}}`; dspark adds the Markov and confidence heads under DeepSpec's names.
+  `layer_types` in `transformer_layer_config` may hold `sliding_attention` layers (its training CLI's default): the
+  block at anchor a sees the `sliding_window` context rows before a, and its own block causally unless
+  `sliding_window_non_causal` (models/dflash/attention.py), which is this drafter's sliding-window rule.
+- transformers' built-in DFlash (transformers >= 5.23, models/muse_glimmer_assistant, decoded by
+  `target.generate(..., assistant_model=drafter, speculation_type="dflash")`): `"model_type":
+  "muse_glimmer_assistant"`, top-level `target_layer_ids` (z-lab's ids), `block_size`, `mask_token_id`, `layer_types`
+  (sliding by default); weights `encoder.fc`, `encoder.output_norm_enc` (= fc, hidden_norm), `layers.*`, `norm`; no
+  attention biases. Its sliding-window layers see keys within the window on both sides of each query: refused.
+
+Z-lab's, speculators' and transformers' DFlash layers apply RoPE to the whole head (their default RoPE ignores
+`partial_rotary_factor`): an export of a partial-RoPE drafter is refused, and an import reads their configs as they
+do, with full RoPE.
 """
 
 import json
@@ -36,7 +50,7 @@ from typing import Literal
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import HfArgumentParser, PretrainedConfig, Qwen3Config
+from transformers import HfArgumentParser, MuseGlimmerAssistantConfig, PretrainedConfig, Qwen3Config
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
@@ -46,7 +60,16 @@ FORMATS = {
     "dflash": 'z-lab DFlash (config.json "architectures": ["DFlashDraftModel"] with a "dflash_config")',
     "dspark": 'DeepSpec DSpark/DFlash (config.json "architectures": ["Qwen3DSparkModel"])',
     "speculators": 'vLLM speculators (config.json "speculators_model_type": "dflash" or "dspark")',
+    "transformers": 'transformers\' built-in DFlash (config.json "model_type": "muse_glimmer_assistant")',
 }
+TRANSFORMERS_DFLASH_TYPE = "muse_glimmer_assistant"
+# The draft-layer fields MuseGlimmerAssistantConfig shares with Qwen3Config (and ours).
+TRANSFORMERS_LAYER_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "layer_types",
+)
+# transformers' built-in DFlash name -> ours (the draft layers and the final norm share their names)
+TRANSFORMERS_DFLASH_KEYS = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
 # Frozen copies of the target's embedding and LM head (and speculators' verifier parts): this drafter uses the target's.
 TARGET_COPIES = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
 # DeepSpec / speculators name -> ours. Same tensors: W1 [V, r], W2 [V, r], confidence [1, d + r] over [h ; W1[x]].
@@ -107,6 +130,8 @@ def checkpoint_format(config: dict) -> str:
     architectures = config.get("architectures") or []
     if config.get("model_type") == CarryoverDrafterConfig.model_type:
         return "carryover"
+    if config.get("model_type") == TRANSFORMERS_DFLASH_TYPE:
+        return "transformers"
     if "speculators_model_type" in config:
         return "speculators"
     if "dflash_config" in config:
@@ -153,6 +178,8 @@ def import_drafter(path_or_repo_id: str, revision: str | None = None, init_only:
         return from_dflash(config, weights)
     if kind == "dspark":
         return from_dspark(config, weights, init_only)
+    if kind == "transformers":
+        return from_transformers_dflash(config, weights)
     return from_speculators(config, weights, init_only)
 
 
@@ -161,6 +188,7 @@ def from_dflash(config: dict, weights: dict[str, torch.Tensor]) -> CarryoverDraf
     dflash = config["dflash_config"]
     drafter_config = drafter_config_from_layers(
         config,
+        "z-lab DFlash",
         # z-lab's own default when the ids are absent is the rule `default_target_layer_ids` implements
         target_layer_ids=dflash.get("target_layer_ids"),
         num_target_layers=_required(config, "num_target_layers", "z-lab DFlash"),
@@ -186,6 +214,7 @@ def from_dspark(config: dict, weights: dict[str, torch.Tensor], init_only: bool 
     check_block_layout(sample_from_anchor=True, source=source, init_only=init_only)
     drafter_config = drafter_config_from_layers(
         config,
+        source,
         target_layer_ids=target_layer_ids,
         num_target_layers=_required(config, "num_target_layers", source),
         block_size=_required(config, "block_size", source),
@@ -222,6 +251,8 @@ def from_speculators(config: dict, weights: dict[str, torch.Tensor], init_only: 
     check_block_layout(config.get("sample_from_anchor", kind == "dspark"), source, init_only)
     drafter_config = drafter_config_from_layers(
         layers,
+        source,
+        sliding_window_non_causal=bool(config.get("sliding_window_non_causal", False)),
         target_layer_ids=[i - 1 for i in aux_ids],  # speculators id k = the state after k layers = our id k - 1
         num_target_layers=config.get("num_target_layers") or verifier_num_layers(config),
         block_size=_required(config, "block_size", source),
@@ -229,6 +260,26 @@ def from_speculators(config: dict, weights: dict[str, torch.Tensor], init_only: 
         markov_rank=rank,
     )
     weights = markov_weights(weights, drafter_config, config.get("confidence_head_with_markov", True), source)
+    return drafter_from_weights(drafter_config, weights, source)
+
+
+def from_transformers_dflash(config: dict, weights: dict[str, torch.Tensor]) -> CarryoverDrafterModel:
+    """transformers' built-in DFlash (MuseGlimmerAssistantModel) -> the same drafter here (carryover off). Absent
+    fields take MuseGlimmerAssistantConfig's defaults (sliding-window layers among them); its layers are Qwen3's
+    without attention biases."""
+    source = "transformers DFlash (muse_glimmer_assistant)"
+    theirs = MuseGlimmerAssistantConfig.from_dict(config).to_dict()
+    layers = {key: value for key, value in theirs.items() if not key.endswith("token_id")}  # not the layers' business
+    layers |= {"model_type": "qwen3", "attention_bias": False, "vocab_size": _required(config, "vocab_size", source)}
+    drafter_config = drafter_config_from_layers(
+        layers,
+        source,
+        target_layer_ids=_required(config, "target_layer_ids", source),
+        num_target_layers=_required(config, "num_target_layers", source),
+        block_size=_required(config, "block_size", source),
+        mask_token_id=_required(config, "mask_token_id", source),
+    )
+    weights = {TRANSFORMERS_DFLASH_KEYS.get(key, key): tensor for key, tensor in weights.items()}
     return drafter_from_weights(drafter_config, weights, source)
 
 
@@ -271,14 +322,19 @@ def verifier_num_layers(config: dict) -> int:
     return verifier_config.get("text_config", verifier_config)["num_hidden_layers"]
 
 
-def drafter_config_from_layers(layers: dict, *, markov_rank: int = 0, **dflash_fields) -> CarryoverDrafterConfig:
-    """Our config from the draft layers' Qwen3 fields; `dflash_fields`: target_layer_ids, num_target_layers,
-    block_size, mask_token_id. Qwen3Config normalises legacy `rope_theta`/`rope_scaling` into `rope_parameters`."""
+def drafter_config_from_layers(
+    layers: dict, source: str, *, sliding_window_non_causal: bool | None = None, markov_rank: int = 0, **dflash_fields
+) -> CarryoverDrafterConfig:
+    """Our config from the draft layers' Qwen3 fields, as the source's Qwen3 layers read them; `dflash_fields`:
+    target_layer_ids, num_target_layers, block_size, mask_token_id. Qwen3Config normalises legacy `rope_theta`/
+    `rope_scaling` into `rope_parameters`. `sliding_window_non_causal`: the source's block rule in sliding-window
+    layers, None where the source's sliding-window rule is not speculators' (such layers are refused)."""
     qwen3 = Qwen3Config.from_dict(layers)
-    if any(kind != "full_attention" for kind in qwen3.layer_types):
+    sliding = "sliding_attention" in qwen3.layer_types
+    if sliding and sliding_window_non_causal is None:
         raise ValueError(
-            f"Sliding-window drafter layers (layer_types={qwen3.layer_types}) are not supported: every layer of this "
-            "drafter attends to the whole context."
+            f"{source} has sliding-window layers (layer_types={qwen3.layer_types}) whose window rule differs from "
+            "this drafter's (speculators': the sliding_window context rows before the anchor): not supported."
         )
     return CarryoverDrafterConfig(
         vocab_size=qwen3.vocab_size,
@@ -292,11 +348,35 @@ def drafter_config_from_layers(layers: dict, *, markov_rank: int = 0, **dflash_f
         rms_norm_eps=qwen3.rms_norm_eps,
         attention_bias=qwen3.attention_bias,
         max_position_embeddings=qwen3.max_position_embeddings,
-        rope_parameters=dict(qwen3.rope_parameters),
+        rope_parameters=full_head_rope(qwen3.rope_parameters, source),
+        layer_types=list(qwen3.layer_types),
+        sliding_window=qwen3.sliding_window if sliding else None,
+        sliding_window_non_causal=bool(sliding_window_non_causal),
         carryover=False,
         markov_rank=markov_rank,
         **dflash_fields,
     )
+
+
+def full_head_rope(rope_parameters: dict, source: str) -> dict:
+    """The RoPE the source's Qwen3 layers apply: their default RoPE rotates the whole head whatever
+    `partial_rotary_factor` says (a warning); with another rope_type the factor shrinks the tables and their forward
+    fails, so there is nothing to reproduce."""
+    rope = dict(rope_parameters)
+    factor = rope.pop("partial_rotary_factor", 1.0)
+    if factor == 1.0:
+        return rope
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"{source} has partial_rotary_factor {factor} with rope_type {rope['rope_type']!r}: its Qwen3 layers "
+            "cannot apply that (the tables are narrower than the heads), so the checkpoint has no defined RoPE."
+        )
+    warnings.warn(
+        f"{source} has partial_rotary_factor {factor}, which its Qwen3 layers ignore (they rotate the whole head): "
+        "imported with full RoPE, as their forward (z-lab's model, speculators' trainer) runs it.",
+        stacklevel=3,
+    )
+    return rope
 
 
 def markov_weights(weights: dict, config: CarryoverDrafterConfig, confidence_with_markov: bool, source: str) -> dict:
@@ -347,12 +427,13 @@ def drafter_from_weights(config: CarryoverDrafterConfig, weights: dict[str, torc
 
 def export_dflash(drafter: CarryoverDrafterModel, output_dir: str | Path) -> Path:
     """Write the z-lab DFlash format (vLLM / SGLang method "dflash"). Carryover and the Markov head have no place in
-    it. z-lab's `dflash.py` (named by `auto_map`) is not bundled: add it to load the folder with transformers."""
+    it. No `auto_map`: z-lab's `dflash.py` is not part of the folder (load it with z-lab's package); to load and decode
+    with transformers alone, export with `export_transformers`."""
     config = drafter.config
+    check_exportable(config, "The z-lab DFlash format", keeps_sliding_layers=False)
     state = exported_state(drafter, "The z-lab DFlash format", keep_markov=False)
     dflash_config = {
         "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         **qwen3_layer_config(config),
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,
@@ -365,6 +446,7 @@ def export_speculators(drafter: CarryoverDrafterModel, output_dir: str | Path, v
     """Write the speculators format: `dflash`, or `dspark` with `sample_from_anchor: false` when there is a Markov
     head. Carryover has no place in it. `verifier`: the target's Hub id (or path), recorded for loaders."""
     config = drafter.config
+    check_exportable(config, "The speculators format", keeps_sliding_layers=True)
     markov = config.markov_rank > 0
     state = exported_state(drafter, "The speculators format", keep_markov=True)
     last_layer = config.num_target_layers - 1
@@ -383,7 +465,7 @@ def export_speculators(drafter: CarryoverDrafterModel, output_dir: str | Path, v
         "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "mask_token_id": config.mask_token_id,
         "sample_from_anchor": False,  # z-lab's layout: the anchor slot predicts nothing, B - 1 drafts
-        "sliding_window_non_causal": False,
+        "sliding_window_non_causal": config.sliding_window_non_causal,
         # Not a speculators field (extra fields are allowed): lets an import check the layer ids offline.
         "num_target_layers": config.num_target_layers,
         "speculators_config": {
@@ -397,7 +479,7 @@ def export_speculators(drafter: CarryoverDrafterModel, output_dir: str | Path, v
                 }
             ],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": verifier_architectures(config)},
+            "verifier": {"name_or_path": verifier, "architectures": verifier_architectures(verifier, config)},
         },
     }
     if markov:
@@ -410,6 +492,50 @@ def export_speculators(drafter: CarryoverDrafterModel, output_dir: str | Path, v
         theirs = {ours: name for name, ours in MARKOV_KEYS.items()}
         state = {theirs.get(key, key): tensor for key, tensor in state.items()}
     return write_checkpoint(output_dir, speculators_config, state)
+
+
+def export_transformers(drafter: CarryoverDrafterModel, output_dir: str | Path) -> Path:
+    """Write transformers' built-in DFlash format: `AutoModel.from_pretrained(folder)` loads it without remote code,
+    and `target.generate(..., assistant_model=drafter, speculation_type="dflash")` decodes with it as this drafter
+    does with carryover=False. Carryover and the Markov head have no place in it."""
+    config = drafter.config
+    format_name = "transformers' built-in DFlash"
+    check_exportable(config, format_name, keeps_sliding_layers=False)
+    if config.attention_bias:
+        raise ValueError(f"{format_name} has no attention biases; this drafter has (attention_bias=True).")
+    layers = qwen3_layer_config(config)
+    transformers_config = MuseGlimmerAssistantConfig(
+        architectures=["MuseGlimmerAssistantModel"],
+        **{key: layers[key] for key in TRANSFORMERS_LAYER_FIELDS},
+        block_size=config.block_size,
+        mask_token_id=config.mask_token_id,
+        target_layer_ids=list(config.target_layer_ids),
+        bos_token_id=None,  # its defaults are another model's tokens
+        eos_token_id=None,
+        pad_token_id=None,
+        # not its fields: the vocabulary and the target's depth, for imports and checks
+        vocab_size=config.vocab_size,
+        num_target_layers=config.num_target_layers,
+    )
+    theirs = {ours: name for name, ours in TRANSFORMERS_DFLASH_KEYS.items()}
+    state = exported_state(drafter, format_name, keep_markov=False)
+    state = {theirs.get(key, key): tensor for key, tensor in state.items()}
+    return write_checkpoint(output_dir, transformers_config.to_diff_dict(), state)
+
+
+def check_exportable(config: CarryoverDrafterConfig, format_name: str, keeps_sliding_layers: bool) -> None:
+    """Refuse what the format's DFlash layers would compute differently: the export would propose other tokens."""
+    factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+    if factor != 1.0:
+        raise ValueError(
+            f"{format_name} has no partial RoPE: its layers rotate the whole head and ignore partial_rotary_factor, "
+            f"so this drafter (partial_rotary_factor {factor}) would draft differently there. Not exported."
+        )
+    if "sliding_attention" in config.layer_types and not keeps_sliding_layers:
+        raise ValueError(
+            f"{format_name} counts a sliding window from each query slot, this drafter from the block's anchor "
+            f"(speculators' rule; layer_types={config.layer_types}): not exported. The speculators format keeps it."
+        )
 
 
 def qwen3_layer_config(config: CarryoverDrafterConfig) -> dict:
@@ -431,9 +557,9 @@ def qwen3_layer_config(config: CarryoverDrafterConfig) -> dict:
         "max_position_embeddings": config.max_position_embeddings,
         "rope_parameters": rope,
         "rope_theta": rope["rope_theta"],  # readers on transformers 4.x take RoPE from rope_theta / rope_scaling
-        "layer_types": ["full_attention"] * config.num_hidden_layers,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        "layer_types": list(config.layer_types),
+        "use_sliding_window": "sliding_attention" in config.layer_types,
+        "sliding_window": config.sliding_window,
         "tie_word_embeddings": False,
     }
     if rope.get("rope_type", "default") != "default":
@@ -460,11 +586,22 @@ def exported_state(drafter: CarryoverDrafterModel, format_name: str, keep_markov
     return {key: tensor for key, tensor in state.items() if key not in carry and (keep_markov or key not in markov)}
 
 
-def verifier_architectures(config: CarryoverDrafterConfig) -> list[str]:
-    """The target's causal-LM class for the recorded `target_model_type` (e.g. qwen3 -> Qwen3ForCausalLM), without
-    fetching anything; speculators keeps it as information only."""
+def verifier_architectures(verifier: str, config: CarryoverDrafterConfig) -> list[str]:
+    """The verifier's `architectures`, read from its config.json as speculators does (e.g. ["Qwen3ForCausalLM"]);
+    where that cannot be read (offline), the causal-LM class of the drafter's recorded `target_model_type`."""
+    try:
+        architectures = PretrainedConfig.get_config_dict(verifier)[0].get("architectures")
+    except OSError:
+        architectures = None
+    if architectures:
+        return list(architectures)
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.target_model_type)
-    return [name] if name else []
+    if name is None:
+        raise ValueError(
+            f"Cannot tell the verifier's architectures: {verifier!r} has no readable config.json with them and the "
+            f"drafter records no target model type (an imported drafter). Pass --verifier as the target's folder."
+        )
+    return [name]
 
 
 def write_checkpoint(output_dir: str | Path, config: dict, state: dict[str, torch.Tensor]) -> Path:
@@ -484,9 +621,12 @@ def write_checkpoint(output_dir: str | Path, config: dict, state: dict[str, torc
 class ConvertArguments:
     source: str = field(metadata={"help": "Drafter checkpoint (local folder or Hub repo id) in any supported format."})
     output_dir: str = field(metadata={"help": "Where to write the converted checkpoint."})
-    to: Literal["carryover", "dflash", "speculators"] = field(
+    to: Literal["carryover", "dflash", "speculators", "transformers"] = field(
         default="carryover",
-        metadata={"help": "Output format: this project's (carryover), z-lab's (dflash) or vLLM speculators'."},
+        metadata={
+            "help": "Output format: this project's (carryover), z-lab's (dflash, for vLLM/SGLang), vLLM speculators' "
+            "or transformers' built-in DFlash (speculation_type='dflash')."
+        },
     )
     verifier: str | None = field(
         default=None, metadata={"help": "--to speculators: the target model's Hub id, recorded as the verifier."}
@@ -506,6 +646,8 @@ def convert(args: ConvertArguments) -> Path:
         return export_dflash(drafter, args.output_dir)
     if args.to == "speculators":
         return export_speculators(drafter, args.output_dir, args.verifier)
+    if args.to == "transformers":
+        return export_transformers(drafter, args.output_dir)
     drafter.save_pretrained(args.output_dir)
     return Path(args.output_dir)
 

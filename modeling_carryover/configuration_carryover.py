@@ -5,6 +5,7 @@ import copy
 from transformers import PreTrainedConfig
 
 CARRYOVER_INTERFACES = ("embedding", "none", "projector")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -50,6 +51,16 @@ class CarryoverDrafterConfig(PreTrainedConfig):
         rope_parameters (`dict`, *optional*): the TARGET's RoPE settings (`rope_type`, `rope_theta`, scaling keys,
             `partial_rotary_factor`): the drafter applies RoPE at the same absolute positions as the target.
         initializer_range (`float`): std of the normal initialisation of linear layers.
+        layer_types (`list[str]`, *optional*): per drafter layer, `"full_attention"` (the default for every layer:
+            a block sees every context row before its anchor and its whole block) or `"sliding_attention"`, with the
+            window rule of vLLM speculators' DFlash (its training CLI makes every layer sliding unless
+            `--full-attention-indices` is given): the block at anchor a sees the `sliding_window` context rows at
+            positions a - sliding_window .. a - 1, its carried rows, and its own block causally (slot k sees slots
+            0..k) unless `sliding_window_non_causal`.
+        sliding_window (`int`, *optional*): context rows a sliding-window layer sees before the anchor; required
+            when a layer is `"sliding_attention"`.
+        sliding_window_non_causal (`bool`): sliding-window layers see their whole block (as full layers do) instead
+            of causally.
         target_layer_ids (`list[int]`, *optional*): 0-based target decoder layers whose OUTPUTS are the features
             (id `l` is `output_hidden_states[l + 1]`), concatenated in this order. Defaults to DFlash's evenly
             spaced rule with one feature layer per drafter layer.
@@ -86,6 +97,9 @@ class CarryoverDrafterConfig(PreTrainedConfig):
     attention_bias: bool = False
     max_position_embeddings: int = 32768
     rope_parameters: dict | None = None
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    sliding_window_non_causal: bool = False
     initializer_range: float = 0.02
     target_layer_ids: list[int] | None = None
     num_target_layers: int = 32
@@ -105,6 +119,8 @@ class CarryoverDrafterConfig(PreTrainedConfig):
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         super().__post_init__(**kwargs)
         self.check_values()
@@ -130,6 +146,13 @@ class CarryoverDrafterConfig(PreTrainedConfig):
         rope_type = self.rope_parameters.get("rope_type", "default")
         if rope_type in ("dynamic", "longrope"):
             raise ValueError(f"rope_type {rope_type!r} depends on the sequence length; the drafter supports static RoPE.")
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
+            raise ValueError(
+                f"layer_types must name one of {LAYER_TYPES} for each of the {self.num_hidden_layers} layers, got "
+                f"{self.layer_types}."
+            )
+        if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ValueError(f"Sliding-window layers need sliding_window >= 1, got {self.sliding_window}.")
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}.")
         if self.num_attention_heads % self.num_key_value_heads:

@@ -79,8 +79,32 @@ def rejected_rows(window_features, window_position_ids, accepted_len):
     return features, position_ids, valid
 
 
-def block_attention(query, context_keys, context_values, own_keys, own_values, context_mask, own_mask, scaling):
-    """Non-causal attention of N blocks to their shared context rows and to their own rows (carried rows + block).
+def sliding_window_visibility(context_position_ids, anchor_positions, sliding_window: int):
+    """A sliding-window layer's block at anchor a sees the context rows at positions a - sliding_window .. a - 1 (and
+    whatever the context mask allows of them): speculators' DFlash rule, counted from the anchor for every slot.
+    context_position_ids [S, T], anchor_positions [S, N] -> [S, N, T]"""
+    return context_position_ids[:, None, :] >= (anchor_positions - sliding_window)[:, :, None]
+
+
+def context_positions(context_position_ids, num_cached: int, S: int, device) -> torch.LongTensor:
+    """Positions of all the context rows a block sees: the cached rows first (decoding commits rows in order from
+    position 0), then the new ones. context_position_ids [S, T] or None -> [S, num_cached + T]"""
+    cached = torch.arange(num_cached, device=device).expand(S, -1)
+    return cached if context_position_ids is None else torch.cat([cached, context_position_ids.to(device)], dim=-1)
+
+
+def causal_block_visibility(B: int, J: int, device) -> torch.BoolTensor:
+    """Own rows `[R carried rows ; B block slots]` each block slot sees in a causal layer: every carried row, and the
+    block slots up to its own. -> [B, J]"""
+    slot_of_row = torch.arange(J, device=device) - (J - B)  # carried rows get negative slots
+    return slot_of_row[None, :] <= torch.arange(B, device=device)[:, None]
+
+
+def block_attention(
+    query, context_keys, context_values, own_keys, own_values, context_mask, own_mask, scaling, causal_block=False
+):
+    """Attention of N blocks to their shared context rows and to their own rows (carried rows + block), non-causal
+    unless `causal_block` (then block slot k sees its carried rows and block slots 0..k).
 
     query [S, N, H, B, D]; context_keys/values [S, K, T, D] (shared by the N blocks of a sequence);
     own_keys/values [S, N, K, J, D]; context_mask [S, N, T] and own_mask [S, N, J] (True = visible) or None.
@@ -92,13 +116,16 @@ def block_attention(query, context_keys, context_values, own_keys, own_values, c
     scores = torch.cat(
         [torch.einsum("snkgbd,sktd->snkgbt", q, context_keys), torch.einsum("snkgbd,snkjd->snkgbj", q, own_keys)], -1
     ).float() * scaling
-    if context_mask is not None or own_mask is not None:
+    if context_mask is not None or own_mask is not None or causal_block:
         if context_mask is None:
             context_mask = torch.ones(S, N, T, dtype=torch.bool, device=query.device)
         if own_mask is None:
             own_mask = torch.ones(S, N, J, dtype=torch.bool, device=query.device)
-        visible = torch.cat([context_mask, own_mask], -1)[:, :, None, None, None, :]
-        scores = scores.masked_fill(~visible, float("-inf"))
+        own_mask = own_mask[:, :, None, :]  # [S, N, 1, J]
+        if causal_block:
+            own_mask = own_mask & causal_block_visibility(B, J, query.device)  # [S, N, B, J]
+        visible = torch.cat([context_mask[:, :, None, :].expand(-1, -1, own_mask.shape[2], -1), own_mask], -1)
+        scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
     probs = scores.softmax(-1).to(query.dtype)
     out = torch.einsum("snkgbt,sktd->snkgbd", probs[..., :T], context_values) + torch.einsum(
         "snkgbj,snkjd->snkgbd", probs[..., T:], own_values
@@ -107,11 +134,11 @@ def block_attention(query, context_keys, context_values, own_keys, own_values, c
     return out, probs.view(S, N, H, B, T + J)
 
 
-def flex_block_mask(context_mask, own_mask, S, N, B, T, J, device):
+def flex_block_mask(context_mask, own_mask, causal_block, S, N, B, T, J, device):
     """The FlexAttention BlockMask of the same visibility rule as `block_attention`, over the flattened layout:
     queries are the N blocks' slots `[N*B]`, keys are `[T shared context rows ; N blocks' own rows (N*J)]`, and a
-    block's query sees a context row where `context_mask` allows it and its OWN rows only (where `own_mask` allows).
-    context_mask [S, N, T], own_mask [S, N, J] (True = visible) or None."""
+    block's query sees a context row where `context_mask` allows it and its OWN rows only (where `own_mask` allows;
+    with `causal_block`, its block's slots up to its own). context_mask [S, N, T], own_mask [S, N, J] or None."""
     if context_mask is None:
         context_mask = torch.ones(S, N, T, dtype=torch.bool, device=device)
     if own_mask is None:
@@ -122,6 +149,8 @@ def flex_block_mask(context_mask, own_mask, S, N, B, T, J, device):
         n, own = q // B, kv - T
         sees_context = context_mask[s, n, kv.clamp(max=T)] & (kv < T)
         sees_own = own_mask[s, n, own % J] & (own >= 0) & (own // J == n)
+        if causal_block:
+            sees_own = sees_own & (own % J - (J - B) <= q % B)
         return sees_context | sees_own
 
     return create_block_mask(visible, S, None, N * B, T + N * J, device=device)
@@ -227,6 +256,7 @@ class CarryoverAttention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
         self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads,
             config.num_key_value_heads,
@@ -249,6 +279,8 @@ class CarryoverAttention(nn.Module):
         return apply_rotary(keys, *rope), values
 
     def forward(self, hidden_states, context, carried, ropes, masks, past_key_values):
+        """masks: the `AttentionMasks` of each layer type; this layer reads its own."""
+        masks = masks[self.layer_type]
         S, N, B, _ = hidden_states.shape
         query = self.q_norm(self.q_proj(hidden_states).view(S, N, B, self.num_heads, self.head_dim)).transpose(2, 3)
         query = apply_rotary(query, *ropes["block"])  # [S, N, H, B, D]
@@ -271,7 +303,8 @@ class CarryoverAttention(nn.Module):
             probs = None
         else:
             out, probs = block_attention(
-                query, context_keys, context_values, block_keys, block_values, masks.context, masks.own, self.scaling
+                query, context_keys, context_values, block_keys, block_values, masks.context, masks.own, self.scaling,
+                masks.causal_block,
             )
         return self.o_proj(out), probs
 
@@ -293,10 +326,12 @@ class CarryoverDecoderLayer(nn.Module):
 
 @dataclass
 class AttentionMasks:
-    """Who sees whom, shared by all layers of one forward: the dense masks, or their FlexAttention BlockMask."""
+    """Who sees whom, shared by all layers of one type in one forward: the dense masks, or their FlexAttention
+    BlockMask."""
 
     context: torch.BoolTensor | None  # [S, N, T_all]
     own: torch.BoolTensor | None  # [S, N, R + B]
+    causal_block: bool = False  # block slot k sees block slots 0..k only (sliding-window layers, by default)
     flex: object | None = None  # BlockMask, when the model runs with attn_implementation="flex_attention"
 
 
@@ -443,6 +478,7 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         context_position_ids (`[S, T]`): their absolute positions.
         context_mask (`[S, N, T_all]`, *optional*): which context rows (cached + new) each block sees; None = all.
             Training passes `context_position_ids < anchor` (the anchor's own feature is not available at inference).
+            Sliding-window layers further hide the rows before `anchor - sliding_window` (`sliding_window_visibility`).
         carried_features (`[S, N, R, F]`, *optional*): target features of rejected draft rows, read-only context for
             this proposal only; never cached.
         carried_position_ids (`[S, N, R]`): absolute positions at which they were computed.
@@ -464,13 +500,23 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         own_mask = None
         if carried_mask is not None:
             own_mask = torch.cat([carried_mask, carried_mask.new_ones(S, N, B)], dim=-1)
-        masks = AttentionMasks(context_mask, own_mask)
-        if self.config._attn_implementation == "flex_attention" and not output_attentions:
-            T = (0 if context is None else context.shape[-2]) + (
-                past_key_values.get_seq_length() if past_key_values is not None else 0
+        num_cached = past_key_values.get_seq_length() if past_key_values is not None else 0
+        masks = {"full_attention": AttentionMasks(context_mask, own_mask)}
+        if "sliding_attention" in self.config.layer_types:
+            positions = context_positions(context_position_ids, num_cached, S, block_embeds.device)  # [S, T_all]
+            window = sliding_window_visibility(positions, block_position_ids[..., 0], self.config.sliding_window)
+            masks["sliding_attention"] = AttentionMasks(
+                window if context_mask is None else window & context_mask,
+                own_mask,
+                causal_block=not self.config.sliding_window_non_causal,
             )
+        if self.config._attn_implementation == "flex_attention" and not output_attentions:
+            T = num_cached + (0 if context is None else context.shape[-2])
             J = B + (0 if carried is None else carried.shape[-2])
-            masks.flex = flex_block_mask(context_mask, own_mask, S, N, B, T, J, block_embeds.device)
+            for type_masks in masks.values():
+                type_masks.flex = flex_block_mask(
+                    type_masks.context, type_masks.own, type_masks.causal_block, S, N, B, T, J, block_embeds.device
+                )
 
         attentions = ()
         for layer in self.layers:

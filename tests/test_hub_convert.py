@@ -1,7 +1,9 @@
-"""Checkpoint conversion (hub/convert.py): z-lab DFlash, DeepSpec DSpark and speculators in, z-lab and speculators out.
+"""Checkpoint conversion (hub/convert.py): z-lab DFlash, DeepSpec DSpark, speculators and transformers' built-in
+DFlash in, z-lab, speculators and transformers' built-in DFlash out.
 
-The z-lab drafter is judged against an independent plain-torch forward written here from z-lab's
-dflash/model.py (not from this project's model), on a real tiny Qwen3 target.
+Imported drafters are judged against an independent plain-torch forward written here from z-lab's dflash/model.py
+and speculators' models/dflash/attention.py (not from this project's model), on a real tiny Qwen3 target; the
+transformers export decodes through transformers' own DFlash path.
 """
 
 import json
@@ -15,8 +17,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO_ROOT, make_drafter, make_target
-from hub.convert import export_dflash, export_speculators, import_drafter
+from conftest import REPO_ROOT, make_drafter, make_target, trained_drafter
+from transformers import AutoModel, DynamicCache
+from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+
+from hub.convert import export_dflash, export_speculators, export_transformers, import_drafter
 import modeling_carryover as mc
 from modeling_carryover import CarryoverDrafterModel
 
@@ -105,7 +110,8 @@ def zlab_dir(tmp_path_factory, target):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Independent reference: z-lab's DFlashDraftModel.forward (dflash/model.py), in plain torch
+# Independent reference: z-lab's DFlashDraftModel.forward (dflash/model.py), in plain torch, with speculators'
+# sliding-window rule (models/dflash/attention.py, create_anchor_block_mask_mod)
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -124,9 +130,11 @@ def rotate(x, positions, theta):
 
 
 @torch.no_grad()
-def zlab_reference_logits(weights, config, target, context_hidden_states, anchor_id):
+def zlab_reference_logits(weights, config, target, context_hidden_states, anchor_id, sliding=None):
     """z-lab drafting of the block [anchor, MASK x (B-1)] right after the context (fresh cache), then the target's
-    lm_head on slots 1..B-1. context_hidden_states: the target's output_hidden_states for positions 0..T-1."""
+    lm_head on slots 1..B-1. context_hidden_states: the target's output_hidden_states for positions 0..T-1.
+    sliding: (layer_types, window, non_causal): speculators' rule in its sliding_attention layers, where the block
+    at anchor a sees the context rows at positions >= a - window (and < a) and, unless non_causal, itself causally."""
     W, B = weights, config["block_size"]
     ids, mask_id = config["dflash_config"]["target_layer_ids"], config["dflash_config"]["mask_token_id"]
     ctx = torch.cat([context_hidden_states[i + 1][0] for i in ids], dim=-1)  # extract_context_feature: offset 1
@@ -134,6 +142,12 @@ def zlab_reference_logits(weights, config, target, context_hidden_states, anchor
     T = ctx.shape[0]
     positions = torch.arange(T + B)  # context rows at their positions, the block at T .. T+B-1
     h = target.get_input_embeddings()(torch.tensor([anchor_id] + [mask_id] * (B - 1)))  # [B, d]
+    visible = {"full_attention": torch.ones(B, T + B, dtype=torch.bool)}  # non-causal: the block sees everything
+    if sliding is not None:
+        layer_types, window, non_causal = sliding
+        in_block = torch.ones(B, B, dtype=torch.bool) if non_causal else torch.ones(B, B, dtype=torch.bool).tril()
+        visible["sliding_attention"] = torch.cat([(positions[:T] >= T - window).expand(B, T), in_block], dim=1)
+    layer_types = sliding[0] if sliding is not None else ["full_attention"] * config["num_hidden_layers"]
     for layer in range(config["num_hidden_layers"]):
         p = f"layers.{layer}."
         x = rms_norm(h, W[p + "input_layernorm.weight"])
@@ -146,7 +160,8 @@ def zlab_reference_logits(weights, config, target, context_hidden_states, anchor
         q = rotate(q.transpose(0, 1), positions[-B:], ROPE_THETA)  # queries: the trailing slice of the tables
         k = rotate(k.transpose(0, 1), positions, ROPE_THETA).repeat_interleave(HEADS // KV_HEADS, 0)
         v = v.transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)
-        attn = torch.softmax(q @ k.transpose(1, 2) * HEAD_DIM**-0.5, dim=-1) @ v  # non-causal: no mask
+        scores = (q @ k.transpose(1, 2) * HEAD_DIM**-0.5).masked_fill(~visible[layer_types[layer]], float("-inf"))
+        attn = torch.softmax(scores, dim=-1) @ v
         h = h + attn.transpose(0, 1).reshape(B, HEADS * HEAD_DIM) @ W[p + "self_attn.o_proj.weight"].T
         y = rms_norm(h, W[p + "post_attention_layernorm.weight"])
         mlp = F.silu(y @ W[p + "mlp.gate_proj.weight"].T) * (y @ W[p + "mlp.up_proj.weight"].T)
@@ -227,8 +242,9 @@ def test_zlab_round_trip_is_lossless(zlab_dir, target, tmp_path):
     original, again = load_file(zlab_dir / "model.safetensors"), load_file(exported / "model.safetensors")
     assert original.keys() == again.keys() and all(torch.equal(original[k], again[k]) for k in original)
     source, written = zlab_config(target), json.loads((exported / "config.json").read_text())
+    assert "auto_map" not in written  # it would name z-lab's dflash.py, which is not in the folder
     for key in source:
-        if key != "rope_scaling":  # None in the source (default RoPE): not written
+        if key not in ("rope_scaling", "auto_map"):  # rope_scaling: None in the source (default RoPE), not written
             assert written[key] == source[key], key
     reimported = import_drafter(str(exported))
     assert_same_weights(drafter, reimported)
@@ -313,6 +329,18 @@ def test_dflash_export_drops_markov_and_carryover_with_a_warning(markov_drafter,
     for key, tensor in markov_drafter.state_dict().items():
         if key in backbone and key != "carry_embedding":
             assert torch.equal(backbone[key], tensor), key
+
+
+def test_speculators_export_records_the_verifiers_architectures(zlab_dir, target, tmp_path):
+    """An imported z-lab drafter records no target type: the architectures come from the verifier's config.json, as
+    speculators writes them; a verifier whose config cannot be read is an error, not an empty list."""
+    drafter = import_drafter(str(zlab_dir))
+    target.save_pretrained(tmp_path / "verifier")  # as published: config.json with "architectures"
+    folder = export_speculators(drafter, tmp_path / "spec", verifier=str(tmp_path / "verifier"))
+    verifier = json.loads((folder / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["architectures"] == ["Qwen3ForCausalLM"]
+    with pytest.raises(ValueError, match="Cannot tell the verifier's architectures"):
+        export_speculators(drafter, tmp_path / "spec2", verifier="nobody/unreadable-offline")
 
 
 def test_export_warns_when_vllm_cannot_capture_the_last_layer(target, tmp_path):
@@ -472,9 +500,223 @@ def test_cli_imports_zlab_and_rejects_unknown_formats(zlab_dir, tmp_path):
     assert done.returncode == 0, done.stderr
     assert_same_weights(CarryoverDrafterModel.from_pretrained(tmp_path / "ours"), import_drafter(str(zlab_dir)))
     assert (tmp_path / "ours" / "custom_generate" / "generate.py").is_file()
+    done = run_convert("--source", str(zlab_dir), "--output_dir", str(tmp_path / "hf"), "--to", "transformers")
+    assert done.returncode == 0, done.stderr
+    assert_same_weights(import_drafter(str(tmp_path / "hf")), import_drafter(str(zlab_dir)))
 
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     failed = run_convert("--source", str(tmp_path / "llama"), "--output_dir", str(tmp_path / "out"), "--to", "dflash")
     assert failed.returncode == 1 and "convert: Unrecognised drafter checkpoint" in failed.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# transformers' built-in DFlash (MuseGlimmerAssistantModel, speculation_type="dflash")
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def builtin_dflash_proposals(monkeypatch):
+    """Record what transformers' own DFlashTokenCandidateGenerator proposes each round."""
+    proposals, get_candidates = [], DFlashTokenCandidateGenerator.get_candidates
+
+    def recording(self, input_ids, *args, **kwargs):
+        candidates, logits = get_candidates(self, input_ids, *args, **kwargs)
+        if candidates.shape[1] > input_ids.shape[1]:
+            proposals.append((input_ids.shape[1] - 1, candidates[0, input_ids.shape[1] :].tolist()))
+        return candidates, logits
+
+    monkeypatch.setattr(DFlashTokenCandidateGenerator, "get_candidates", recording)
+    return proposals
+
+
+def test_transformers_export_decodes_in_transformers_builtin_dflash(tmp_path, monkeypatch):
+    """A carryover-trained drafter exported for transformers loads with AutoModel (no remote code) and, through
+    `target.generate(..., speculation_type="dflash")`, proposes round for round what this project proposes with
+    carryover off; both outputs are the target's greedy output. The export imports back to the same weights."""
+    target, drafter, dataset = trained_drafter("qwen3", 4, 0)
+    with pytest.warns(UserWarning, match="no place for the carryover part"):
+        exported = export_transformers(drafter, tmp_path / "hf")
+    assert sorted(path.name for path in exported.iterdir()) == ["config.json", "model.safetensors"]
+    builtin = AutoModel.from_pretrained(exported)
+    assert type(builtin).__name__ == "MuseGlimmerAssistantModel"
+    proposals = builtin_dflash_proposals(monkeypatch)
+    accepted = 0
+    for row in dataset.select(range(3)):
+        prompt, proposals[:] = torch.tensor([row["input_ids"][:6]]), []
+        expected = target.generate(prompt, max_new_tokens=24, do_sample=False)
+        theirs = target.generate(prompt, assistant_model=builtin, speculation_type="dflash", max_new_tokens=24, do_sample=False)
+        ours = mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False, carryover=False)
+        assert torch.equal(theirs, expected) and torch.equal(ours, expected)
+        rounds = drafter.generation_stats.rounds
+        assert len(proposals) == len(rounds)
+        assert [(anchor, drafts[: r.proposed]) for (anchor, drafts), r in zip(proposals, rounds)] == rounds_of(drafter)
+        accepted += sum(r.accepted for r in rounds)
+    assert accepted > 10  # the rounds commit several rows, not only the bonus token
+    reimported = import_drafter(str(exported))
+    assert reimported.config.layer_types == ["full_attention"] * 2
+    assert_same_weights(drafter, reimported, skip={"carry_embedding"})
+
+
+def partial_rope_drafter(target):
+    return make_drafter(target, rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5})
+
+
+@pytest.mark.parametrize("export", ["dflash", "speculators", "transformers"])
+def test_partial_rope_drafters_are_not_exported(target, tmp_path, export):
+    """z-lab's, speculators' and transformers' DFlash layers rotate the whole head (their default RoPE ignores the
+    factor): writing the drafter there would change its drafts, so the export refuses and writes nothing."""
+    drafter = partial_rope_drafter(target)
+    writers = {
+        "dflash": lambda: export_dflash(drafter, tmp_path / "out"),
+        "speculators": lambda: export_speculators(drafter, tmp_path / "out", verifier="some/target"),
+        "transformers": lambda: export_transformers(drafter, tmp_path / "out"),
+    }
+    with pytest.raises(ValueError, match=r"has no partial RoPE: its layers rotate the whole head.*0\.5"):
+        writers[export]()
+    assert not (tmp_path / "out").exists()
+
+
+def test_partial_rope_imports_as_the_reference_reads_it(target, tmp_path):
+    """A z-lab config with partial_rotary_factor: z-lab's Qwen3 RoPE rotates whole heads, and so does the import
+    (with a warning); with a non-default rope_type their tables do not fit the heads, so the import refuses."""
+    config = zlab_config(target) | {"partial_rotary_factor": 0.5}
+    folder = write_checkpoint(tmp_path / "partial", config, zlab_weights(target.config.hidden_size))
+    with pytest.warns(UserWarning, match="partial_rotary_factor 0.5, which its Qwen3 layers ignore"):
+        drafter = import_drafter(str(folder))
+    assert "partial_rotary_factor" not in drafter.config.rope_parameters
+    hidden_states = prefix_hidden_states(target, PROMPT, 5)
+    torch.testing.assert_close(
+        drafter_logits(drafter, target, hidden_states, int(PROMPT[0, 4])),
+        zlab_reference_logits(load_file(folder / "model.safetensors"), config, target, hidden_states, int(PROMPT[0, 4])),
+        atol=1e-5,
+        rtol=1e-4,
+    )
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    write_checkpoint(folder, config, zlab_weights(target.config.hidden_size))
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5 with rope_type 'linear'"):
+        import_drafter(str(folder))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sliding-window drafter layers (speculators' training default)
+# ----------------------------------------------------------------------------------------------------------------
+
+SLIDING_TYPES, WINDOW = ["sliding_attention", "full_attention"], 3
+
+
+def speculators_sliding_checkpoint(folder, target, non_causal=False):
+    """A checkpoint as speculators' training CLI writes it with its defaults (sliding layers; here layer 1 passed to
+    --full-attention-indices): the documented DFlashSpeculatorConfig fields, weights without the verifier's parts."""
+    layers = {key: value for key, value in zlab_config(target).items() if key not in ("auto_map", "dflash_config", "architectures", "block_size", "num_target_layers")}
+    layers |= {"layer_types": SLIDING_TYPES, "sliding_window": WINDOW, "use_sliding_window": True}
+    config = {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": layers,
+        "draft_vocab_size": target.config.vocab_size,
+        "block_size": BLOCK_SIZE,
+        "aux_hidden_state_layer_ids": [i + 1 for i in TARGET_LAYER_IDS],
+        "mask_token_id": MASK_TOKEN_ID,
+        "sliding_window_non_causal": non_causal,
+        "sample_from_anchor": False,
+        "num_target_layers": target.config.num_hidden_layers,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": BLOCK_SIZE - 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": "Qwen/Qwen3-0.6B", "architectures": ["Qwen3ForCausalLM"]},
+        },
+    }
+    return write_checkpoint(folder, config, zlab_weights(target.config.hidden_size))
+
+
+@pytest.mark.parametrize("non_causal", [False, True])
+def test_speculators_sliding_window_import_matches_reference_and_decodes(target, tmp_path, non_causal):
+    """Sliding-window layers imported from speculators draft as the reference rule says, in one forward and in every
+    round of `generate` (whose cache holds rows the window hides), losslessly; they export back unchanged."""
+    folder = speculators_sliding_checkpoint(tmp_path / "spec", target, non_causal)
+    drafter = import_drafter(str(folder))
+    config = drafter.config
+    assert (config.layer_types, config.sliding_window, config.sliding_window_non_causal) == (SLIDING_TYPES, WINDOW, non_causal)
+    weights, zconfig = load_file(folder / "model.safetensors"), zlab_config(target)
+    sliding = (SLIDING_TYPES, WINDOW, non_causal)
+    hidden_states = prefix_hidden_states(target, PROMPT, 6)
+    reference = zlab_reference_logits(weights, zconfig, target, hidden_states, int(PROMPT[0, 5]), sliding)
+    torch.testing.assert_close(drafter_logits(drafter, target, hidden_states, int(PROMPT[0, 5])), reference, atol=1e-5, rtol=1e-4)
+    # the window matters here: the same weights with full-attention layers draft differently
+    full = zlab_reference_logits(weights, zconfig, target, hidden_states, int(PROMPT[0, 5]))
+    assert (full - reference).abs().max() > 1e-2
+
+    output = generate_with(drafter, target, PROMPT, max_new_tokens=20)
+    assert torch.equal(output, target.generate(PROMPT, max_new_tokens=20, do_sample=False))
+    for draft_round in drafter.generation_stats.rounds:
+        anchor_position = draft_round.anchor_position
+        hidden_states = prefix_hidden_states(target, output, anchor_position)
+        logits = zlab_reference_logits(weights, zconfig, target, hidden_states, int(output[0, anchor_position]), sliding)
+        assert draft_round.drafts == logits[: draft_round.proposed].argmax(-1).tolist()
+
+    target.save_pretrained(tmp_path / "verifier")
+    exported = export_speculators(drafter, tmp_path / "again", verifier=str(tmp_path / "verifier"))
+    written = json.loads((exported / "config.json").read_text())
+    assert written["sliding_window_non_causal"] is non_causal
+    layers = written["transformer_layer_config"]
+    assert (layers["layer_types"], layers["sliding_window"], layers["use_sliding_window"]) == (SLIDING_TYPES, WINDOW, True)
+    assert_same_weights(import_drafter(str(exported)), drafter)
+
+
+def test_sliding_window_training_logits_equal_decoding_logits(target):
+    """The training forward (all anchors at once, carried rows, dense and FlexAttention) gives a sliding-window
+    drafter's blocks the logits the decoding layout gives (incremental cache holding rows outside the window)."""
+    from trainer.objectives import Batch, drafter_hidden
+    from trainer.verification import target_pass
+
+    drafter = make_drafter(target, layer_types=SLIDING_TYPES, sliding_window=WINDOW)
+    torch.manual_seed(0)
+    sequence = torch.randint(0, target.config.vocab_size, (1, 16))
+    recorded = target_pass(target, sequence, torch.ones_like(sequence), drafter.feature_hidden_state_indices)
+    features = drafter.target_features(recorded.hidden_states)
+    batch = Batch(sequence, torch.ones_like(sequence), torch.ones_like(sequence), features, None)
+    anchors, R = torch.tensor([[4, 9, 13]]), 2
+    carried = (torch.randn(1, 3, R, drafter.config.feature_size), anchors.unsqueeze(-1) + torch.arange(R), torch.ones(1, 3, R, dtype=torch.bool))
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    with torch.no_grad():
+        training = lm_head(drafter_hidden(drafter, embed, batch, anchors, torch.ones_like(anchors, dtype=torch.bool), carried))
+        drafter.set_attn_implementation("flex_attention")
+        flex = lm_head(drafter_hidden(drafter, embed, batch, anchors, torch.ones_like(anchors, dtype=torch.bool), carried))
+        drafter.set_attn_implementation("eager")
+        for n, a in enumerate(anchors[0].tolist()):
+            cache, half = DynamicCache(), a // 2
+            block_ids, block_positions = drafter.block_inputs(sequence[:, a], torch.tensor([a]))
+            block = (embed(block_ids)[:, None], block_positions[:, None])
+            drafter(*block, past_key_values=cache, context_features=features[:, :half], context_position_ids=torch.arange(half)[None])
+            out = drafter(
+                *block,
+                past_key_values=cache,
+                context_features=features[:, half:a],
+                context_position_ids=torch.arange(half, a)[None],
+                carried_features=carried[0][:, n : n + 1],
+                carried_position_ids=carried[1][:, n : n + 1],
+            )
+            torch.testing.assert_close(training[0, n], lm_head(out.last_hidden_state[0, 0, 1:]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(flex, training, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("source", ["z-lab", "transformers"])
+def test_foreign_sliding_window_rules_are_refused(target, tmp_path, source):
+    """z-lab counts the window from each query slot, transformers' DFlash on both sides of it: neither is the
+    anchor-based rule this drafter implements, so both imports and exports refuse sliding-window layers."""
+    if source == "z-lab":
+        config = zlab_config(target) | {"layer_types": SLIDING_TYPES, "sliding_window": WINDOW, "use_sliding_window": True}
+        folder = write_checkpoint(tmp_path / "in", config, zlab_weights(target.config.hidden_size))
+    else:
+        folder = export_transformers(make_drafter(target, target_layer_ids=TARGET_LAYER_IDS), tmp_path / "in")
+        config = json.loads((folder / "config.json").read_text())
+        config["layer_types"] = SLIDING_TYPES
+        (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="sliding-window layers .* whose window rule differs"):
+        import_drafter(str(folder))
+    drafter = make_drafter(target, layer_types=SLIDING_TYPES, sliding_window=WINDOW)
+    export = export_dflash if source == "z-lab" else export_transformers
+    with pytest.raises(ValueError, match="counts a sliding window from each query slot"):
+        export(drafter, tmp_path / "out")
