@@ -501,7 +501,9 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         if carried_mask is not None:
             own_mask = torch.cat([carried_mask, carried_mask.new_ones(S, N, B)], dim=-1)
         num_cached = past_key_values.get_seq_length() if past_key_values is not None else 0
-        masks = {"full_attention": AttentionMasks(context_mask, own_mask)}
+        masks = {}  # the AttentionMasks of each layer type this drafter has
+        if "full_attention" in self.config.layer_types:
+            masks["full_attention"] = AttentionMasks(context_mask, own_mask)
         if "sliding_attention" in self.config.layer_types:
             positions = context_positions(context_position_ids, num_cached, S, block_embeds.device)  # [S, T_all]
             window = sliding_window_visibility(positions, block_position_ids[..., 0], self.config.sliding_window)

@@ -665,6 +665,47 @@ def test_speculators_sliding_window_import_matches_reference_and_decodes(target,
     assert_same_weights(import_drafter(str(exported)), drafter)
 
 
+def test_speculators_own_forward_matches_the_import(target, tmp_path):
+    """Optional (needs `pip install speculators`): speculators' own DFlash mask and decoder layers, run on a packed
+    sequence with many anchors as its trainer runs them, give the logits of the imported drafter's training forward."""
+    pytest.importorskip("speculators")
+    from speculators.models.dflash.attention import create_anchor_block_mask_mod
+    from speculators.models.dflash.model_definitions import Qwen3DFlashDecoderLayer
+    from torch.nn.attention.flex_attention import create_mask
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from trainer.objectives import Batch, drafter_hidden
+
+    folder = speculators_sliding_checkpoint(tmp_path / "spec", target)
+    weights, drafter = load_file(folder / "model.safetensors"), import_drafter(str(folder))
+    layer_config = Qwen3Config(**json.loads((folder / "config.json").read_text())["transformer_layer_config"])
+    layer_config._attn_implementation = "eager"
+    layers = torch.nn.ModuleList(Qwen3DFlashDecoderLayer(layer_config, i) for i in range(LAYERS))
+    layers.load_state_dict({key[len("layers.") :]: w for key, w in weights.items() if key.startswith("layers.")})
+    sequence = target.generate(PROMPT, max_new_tokens=24, do_sample=False)
+    T, anchors = sequence.shape[1], torch.tensor([3, 8, 12, 17, 22, 26])
+    masks = {}
+    for layer_type, window in (("full_attention", None), ("sliding_attention", WINDOW)):
+        mask_mod, q_len, kv_len = create_anchor_block_mask_mod(torch.zeros(T, dtype=torch.long), T, anchors, BLOCK_SIZE, window)
+        visible = create_mask(mask_mod, None, None, q_len, kv_len, device="cpu")
+        masks[layer_type] = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
+    with torch.no_grad():
+        hidden_states = target(sequence, output_hidden_states=True).hidden_states
+        features = drafter.target_features(hidden_states)
+        ids = torch.full((1, len(anchors) * BLOCK_SIZE), MASK_TOKEN_ID)
+        ids[:, ::BLOCK_SIZE] = sequence[:, anchors]
+        h, context = target.get_input_embeddings()(ids), rms_norm(features @ weights["fc.weight"].T, weights["hidden_norm.weight"])
+        positions = torch.cat([torch.arange(T), (anchors[:, None] + torch.arange(BLOCK_SIZE)).flatten()])[None]
+        rope = Qwen3RotaryEmbedding(layer_config)(h, positions)
+        for layer, layer_type in zip(layers, SLIDING_TYPES):
+            h = layer(target_hidden=context, hidden_states=h, attention_mask=masks[layer_type], position_embeddings=rope)
+        theirs = target.lm_head(rms_norm(h, weights["norm.weight"])).view(len(anchors), BLOCK_SIZE, -1)[:, 1:]
+        batch = Batch(sequence, torch.ones_like(sequence), torch.ones_like(sequence), features, None)
+        hidden = drafter_hidden(drafter, target.get_input_embeddings(), batch, anchors[None], torch.ones(1, len(anchors), dtype=torch.bool))
+    torch.testing.assert_close(target.lm_head(hidden)[0], theirs, atol=1e-5, rtol=1e-4)
+
+
 def test_sliding_window_training_logits_equal_decoding_logits(target):
     """The training forward (all anchors at once, carried rows, dense and FlexAttention) gives a sliding-window
     drafter's blocks the logits the decoding layout gives (incremental cache holding rows outside the window)."""
