@@ -13,6 +13,8 @@ from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
 from .data import MANIFEST, load_regenerated, load_rows
 from .objectives import anchor_eligible
 
+FEATURE_INDEX = "feature_index"  # the column that points a training row at its stored features (trainer.features)
+
 logger = logging.getLogger(__name__)
 
 
@@ -131,8 +133,9 @@ def load_training_rows(path: str) -> Dataset:
 
 
 def prepare_rows(dataset: Dataset, max_seq_length: int) -> Dataset:
-    """Check the columns, cut rows to `max_seq_length`, drop rows without two consecutive response tokens (no block can
-    be anchored there: `anchor_eligible`). Raises a ValueError saying what is wrong; nothing is written."""
+    """Check the columns, cut rows to `max_seq_length` (a features cache's FEATURE_INDEX column is kept), drop rows
+    without two consecutive response tokens (no block can be anchored there: `anchor_eligible`). Raises a ValueError
+    saying what is wrong; nothing is written."""
     missing = {"input_ids", "loss_mask"} - set(dataset.column_names)
     if missing:
         raise ValueError(
@@ -141,7 +144,7 @@ def prepare_rows(dataset: Dataset, max_seq_length: int) -> Dataset:
         )
     if len(dataset) == 0:
         raise ValueError("The training dataset is empty.")
-    dataset = dataset.select_columns(["input_ids", "loss_mask"])
+    dataset = dataset.select_columns([c for c in ("input_ids", "loss_mask", FEATURE_INDEX) if c in dataset.column_names])
     dataset = dataset.map(
         lambda row: {"input_ids": row["input_ids"][:max_seq_length], "loss_mask": row["loss_mask"][:max_seq_length]}
     )

@@ -1,7 +1,8 @@
 """`CarryoverTrainer`: a `transformers.Trainer` that trains a Carryover drafter against a frozen target.
 
 The target is prepared by the Trainer's accelerator for evaluation only (device placement, no DDP/FSDP wrapping, not
-trained, not saved); its features are computed online each step. The drafter trains under DDP or FSDP2
+trained, not saved); its features are computed online each step, or read from a features cache (`target_features`,
+written by `python -m trainer.features`): then a baseline step runs no target forward. The drafter trains under DDP or FSDP2
 (`--fsdp full_shard --fsdp_config '{"version": 2}'`, which shards each CarryoverDecoderLayer). Only the drafter is optimised and checkpointed
 (`save_pretrained` writes the remote code and `custom_generate/`, so every checkpoint decodes as it is).
 """
@@ -10,11 +11,13 @@ import json
 import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import Trainer
 
+from .features import FEATURE_INDEX, TargetFeatures
 from .objectives import LossSettings, default_gamma, training_step_loss
 from .verification import check_verification_support
 
@@ -56,8 +59,9 @@ class CarryoverArguments:
     verify_chunk_size: int = field(default=64, metadata={"help": "Anchors per packed target verification forward."})
 
 
-def pad_collator(rows: list[dict]) -> dict[str, torch.Tensor]:
-    """Right-pad `input_ids` and `loss_mask` rows into a batch with its `attention_mask`."""
+def pad_collator(rows: list[dict], features: TargetFeatures | None = None) -> dict:
+    """Right-pad `input_ids` and `loss_mask` rows into a batch with its `attention_mask`; with `features`, also the
+    rows' stored target layers (`target_hidden_states`, see `TargetFeatures.hidden_states`), padded the same way."""
     length = max(len(row["input_ids"]) for row in rows)
     batch = {name: torch.zeros(len(rows), length, dtype=torch.long) for name in ("input_ids", "attention_mask", "loss_mask")}
     for i, row in enumerate(rows):
@@ -65,6 +69,9 @@ def pad_collator(rows: list[dict]) -> dict[str, torch.Tensor]:
         batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
         batch["loss_mask"][i, :n] = torch.as_tensor(row["loss_mask"])
         batch["attention_mask"][i, :n] = 1
+    if features is not None:
+        lengths = [len(row["input_ids"]) for row in rows]
+        batch["target_hidden_states"] = features.hidden_states([row[FEATURE_INDEX] for row in rows], lengths, length)
     return batch
 
 
@@ -72,10 +79,19 @@ class CarryoverTrainer(Trainer):
     # compute_loss returns a per-batch mean: let the Trainer scale it for gradient accumulation.
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args, target_model=None, carryover_args: CarryoverArguments | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        target_model=None,
+        carryover_args: CarryoverArguments | None = None,
+        target_features: TargetFeatures | None = None,
+        **kwargs,
+    ):
+        """`target_features`: the target's stored layers for the rows of the datasets (which must come from
+        `target_features.attach`); without it, each step computes them with a target forward."""
         if target_model is None:
             raise ValueError("CarryoverTrainer needs the frozen target: CarryoverTrainer(..., target_model=target).")
-        kwargs.setdefault("data_collator", pad_collator)
+        kwargs.setdefault("data_collator", partial(pad_collator, features=target_features))
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None and training_args.ddp_find_unused_parameters is None:
             # Every trained parameter gets a gradient each step (the carry marker is frozen without carryover; carried
@@ -91,6 +107,8 @@ class CarryoverTrainer(Trainer):
         drafter.check_target(target_model.config)
         if self.carryover_args.carryover:
             check_verification_support(target_model)
+        if target_features is not None:
+            self._check_features(target_features, target_model, drafter.config)
         config = drafter.config
         config.carryover = self.carryover_args.carryover  # the checkpoint decodes the way it was trained by default
         self.loss_settings = LossSettings(
@@ -108,6 +126,13 @@ class CarryoverTrainer(Trainer):
         self.target_model = self.accelerator.prepare_model(target_model, evaluation_mode=True)
         self._carry_init_pending = self.carryover_args.carryover and self.carryover_args.carry_embedding_init != "keep"
         self._step_metrics = defaultdict(list)
+
+    def _check_features(self, features: TargetFeatures, target_model, config) -> None:
+        features.check_target(target_model)
+        features.check_layers(config.target_layer_ids + ([config.num_target_layers - 1] if config.markov_rank else []))
+        for name, dataset in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
+            if dataset is not None and FEATURE_INDEX not in dataset.column_names:
+                raise ValueError(f"{name} has no {FEATURE_INDEX!r} column: pass the rows through target_features.attach.")
 
     # -- the loss ------------------------------------------------------------------------------------------------
 
@@ -153,13 +178,15 @@ class CarryoverTrainer(Trainer):
         if self.carryover_args.carry_embedding_init == "zeros":
             drafter.carry_embedding.zero_()
             return
-        out = self.target_model(
-            input_ids=inputs["input_ids"],
-            attention_mask=inputs["attention_mask"],
-            output_hidden_states=drafter.feature_hidden_state_indices,
-            use_cache=False,
-        )
-        features = drafter.target_features(out.hidden_states)[inputs["attention_mask"].bool()].float()  # [rows, F]
+        hidden_states = inputs.get("target_hidden_states")  # from the features cache, if training reads one
+        if hidden_states is None:
+            hidden_states = self.target_model(
+                input_ids=inputs["input_ids"],
+                attention_mask=inputs["attention_mask"],
+                output_hidden_states=drafter.feature_hidden_state_indices,
+                use_cache=False,
+            ).hidden_states
+        features = drafter.target_features(hidden_states)[inputs["attention_mask"].bool()].float()  # [rows, F]
         rms = features.pow(2).mean(0).sqrt()
         signs = torch.randint(0, 2, rms.shape, device=rms.device) * 2 - 1
         value = (self.carryover_args.carry_embedding_init_scale * rms * signs).to(drafter.carry_embedding.dtype)

@@ -257,7 +257,11 @@ def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded,
 
 def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: LossSettings, carryover: bool, chunk_size=64):
     """Loss of one batch: baseline (blocks at random anchors) or carryover (draft-verify-draft, the loss of the second
-    pass at the shifted anchors with the rejected rows carried). Returns (loss, metrics)."""
+    pass at the shifted anchors with the rejected rows carried). Returns (loss, metrics).
+
+    The target's layer outputs come from its forward over the batch, or from `batch_inputs["target_hidden_states"]`
+    (stored by trainer.features: a tuple with one [S, T, d] entry per target layer): then the baseline runs no target
+    forward, and carryover runs it only for the K/V cache its verification reads."""
     module = drafter_module(drafter)
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     input_ids, attention_mask, loss_mask = (batch_inputs[k] for k in ("input_ids", "attention_mask", "loss_mask"))
@@ -265,14 +269,19 @@ def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: Los
     num_layers = module.config.num_target_layers
     # the Markov objectives also need the target's final (normed) hidden state: the last layer's output in HF
     layers = module.config.target_layer_ids + ([num_layers - 1] if markov else [])
-    with record_function("carryover.target_pass"):
-        recorded = target_pass(target, input_ids, attention_mask, hidden_state_request(layers), carryover)
+    hidden_states = batch_inputs.get("target_hidden_states")  # read from a features cache (trainer.features), or None
+    recorded = None
+    if hidden_states is None or carryover:  # carryover verifies against the K/V cache of the recorded sequence
+        request = hidden_state_request(layers) if hidden_states is None else False
+        with record_function("carryover.target_pass"):
+            recorded = target_pass(target, input_ids, attention_mask, request, carryover)
+        hidden_states = recorded.hidden_states if hidden_states is None else hidden_states
     batch = Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         loss_mask=loss_mask * attention_mask,
-        features=module.target_features(recorded.hidden_states),
-        target_final_hidden=layer_outputs(recorded.hidden_states, [num_layers - 1], num_layers)[0] if markov else None,
+        features=module.target_features(hidden_states),
+        target_final_hidden=layer_outputs(hidden_states, [num_layers - 1], num_layers)[0] if markov else None,
     )
     num_slots = module.config.block_size - 1
     anchor_positions, anchor_valid = sample_anchors(batch.loss_mask, num_anchors)

@@ -8,6 +8,9 @@
         --output_dir checkpoints/carryover --num_train_epochs 1
     python trainer/run.py --dataset data/smollm2 --drafter_checkpoint checkpoints/baseline \
         --output_dir checkpoints/control --num_train_epochs 1
+    # the target's features stored once (resumable): baseline steps then run no target forward
+    python -m trainer.features --dataset data/smollm2 --output_dir data/smollm2-features --num_draft_layers 2
+    python trainer/run.py --dataset data/smollm2 --features data/smollm2-features --output_dir checkpoints/baseline ...
     python trainer/run.py config.yaml                     # the same fields in a JSON or YAML file
     torchrun --nproc_per_node 2 trainer/run.py ...        # DDP; `accelerate launch` works the same way
     torchrun --nproc_per_node 8 trainer/run.py ... --fsdp full_shard --fsdp_config fsdp.json   # FSDP2: {"version": 2}
@@ -31,6 +34,7 @@ from transformers import TrainingArguments, set_seed
 from trainer.build import DrafterArguments, build_drafter, load_training_rows, prepare_rows
 from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer
 from trainer.cli import parse_arguments
+from trainer.features import TargetFeatures
 from trainer.regenerate import RegenerationArguments, regenerate_from_args
 from trainer.targets import TargetArguments, load_target
 
@@ -43,6 +47,13 @@ class DataArguments:
     )
     max_seq_length: int = field(default=2048, metadata={"help": "Rows are cut to this many tokens."})
     eval_rows: int = field(default=0, metadata={"help": "Hold out this many rows for evaluation (eval_loss)."})
+    features: str | None = field(
+        default=None,
+        metadata={
+            "help": "The target's stored features of --dataset (python -m trainer.features): baseline steps run no "
+            "target forward; carryover reads them and still verifies with the target."
+        },
+    )
 
 
 ARGUMENT_CLASSES = (TargetArguments, DrafterArguments, DataArguments, RegenerationArguments, CarryoverArguments, TrainingArguments)
@@ -54,6 +65,8 @@ def main(argv=None):
     )
     if not (data_args.dataset or regeneration_args.prompts):
         raise SystemExit("Give the training data: --dataset <folder>, or --prompts <source|magpie> to regenerate it.")
+    if data_args.features and not data_args.dataset:
+        raise SystemExit("--features belong to the rows of --dataset: regenerate first, then extract them.")
     if drafter_args.attn_implementation == "flex_attention" and training_args.device.type == "cpu":
         raise ValueError("--attn_implementation flex_attention needs a GPU (PyTorch's FlexAttention has no CPU backward).")
     regenerating = not data_args.dataset
@@ -65,6 +78,9 @@ def main(argv=None):
         rows = regenerate_from_args(target, tokenizer, regeneration_args, target_args.target)
     else:
         rows = load_training_rows(data_args.dataset)
+    features = TargetFeatures(data_args.features) if data_args.features else None
+    if features is not None:
+        rows = features.attach(rows, data_args.max_seq_length)
     rows = prepare_rows(rows, data_args.max_seq_length)
     eval_rows = None
     if data_args.eval_rows:
@@ -80,6 +96,7 @@ def main(argv=None):
         eval_dataset=eval_rows,
         target_model=target,
         carryover_args=carryover_args,
+        target_features=features,
     )
     resume = training_args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume in ("true", "latest") else resume)

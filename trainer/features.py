@@ -1,0 +1,296 @@
+"""Offline target features: the frozen target runs once over the training rows, and its feature layers are stored.
+
+    python -m trainer.features --dataset data/smollm2 --output_dir data/smollm2-features --num_draft_layers 2
+    python trainer/run.py --dataset data/smollm2 --features data/smollm2-features ...   # no target forward (baseline)
+
+Row i of the dataset (as `load_training_rows` reads it) has its stored layers at index i: shard k holds rows
+[k * shard_size, (k + 1) * shard_size) as one safetensors file (`hidden_states` [tokens, L, d], the rows one after
+another, and `offsets` [rows + 1]), written atomically, so an interrupted extraction resumes at the first missing
+shard and a finished shard is never redone. Training reads each row's slice through a memory map.
+
+The manifest (FEATURES_MANIFEST) names the target (and a fingerprint of its weights), the stored layers, the storage
+dtype and a fingerprint of the rows' input_ids: `TargetFeatures` refuses features of another target, of other rows,
+or without a layer the drafter needs, naming what differs. `--final_hidden` also stores the target's last layer
+(its final, normed hidden state), which the Markov objectives read.
+"""
+
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python trainer/features.py`: make the project importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import torch
+from datasets import Dataset
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from modeling_carryover.configuration_carryover import default_target_layer_ids
+from modeling_carryover.modeling_carryover import hidden_state_request, layer_outputs
+from trainer.build import FEATURE_INDEX, load_training_rows
+from trainer.cli import parse_arguments
+from trainer.data import _version, write_atomic
+from trainer.targets import TargetArguments, load_target
+from trainer.verification import target_pass
+
+logger = logging.getLogger(__name__)
+
+FEATURES_MANIFEST = "features.json"
+FEATURES_FORMAT = "carryover-features-v1"
+# Manifest entries that may change between the runs of one resumed extraction.
+NOT_RESUME_KEYS = ("versions", "batch_size")
+
+
+@dataclass
+class FeatureArguments:
+    dataset: str = field(metadata={"help": "Training rows: a regenerated folder, or input_ids rows (as --dataset of run.py)."})
+    output_dir: str = field(metadata={"help": "Where the features go (resumable: run again to finish)."})
+    target_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "0-based target layers to store [DFlash's rule for --num_draft_layers]."}
+    )
+    num_draft_layers: int = field(default=1, metadata={"help": "For the default target_layer_ids only."})
+    final_hidden: bool = field(default=False, metadata={"help": "Also store the last layer (Markov drafters need it)."})
+    dtype: str = field(default="bfloat16", metadata={"choices": ["bfloat16", "float16", "float32"]})
+    max_seq_length: int = field(default=2048, metadata={"help": "Tokens stored per row (training may use fewer)."})
+    shard_size: int = field(default=64, metadata={"help": "Rows per shard file."})
+    batch_size: int = field(default=8, metadata={"help": "Rows per target forward."})
+
+
+def data_fingerprint(rows: Dataset) -> str:
+    """sha256 of every row's input_ids (as int64, with its length): the rows the features belong to, in order."""
+    digest = hashlib.sha256()
+    for batch in rows.select_columns(["input_ids"]).with_format("numpy").iter(batch_size=1024):
+        for ids in batch["input_ids"]:
+            digest.update(np.int64(len(ids)).tobytes() + np.asarray(ids, dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
+@torch.no_grad()
+def weights_fingerprint(model, values: int = 1024) -> str:
+    """sha256 of each parameter's name and shape and its first and last `values` entries rounded to bf16: tells
+    checkpoints (and merged adapters) apart in any load dtype without hashing every weight."""
+    digest = hashlib.sha256()
+    for name, parameter in model.named_parameters():
+        flat = parameter.detach().flatten()
+        sample = torch.cat([flat[:values], flat[-values:]]).to("cpu", torch.bfloat16)
+        digest.update(f"{name}{tuple(parameter.shape)}".encode() + sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _shard_path(output_dir: Path, shard: int) -> Path:
+    return output_dir / f"features-{shard:05d}.safetensors"
+
+
+def _target_identity(target, target_name) -> dict:
+    text = target.config.get_text_config(decoder=True)
+    return {
+        "target": target_name or target.name_or_path,
+        "target_fingerprint": weights_fingerprint(target),
+        "num_target_layers": text.num_hidden_layers,
+        "hidden_size": text.hidden_size,
+    }
+
+
+def _check_resumable(output_dir: Path, manifest: dict) -> None:
+    """Raise unless `output_dir` is new or holds an extraction of the same rows, target and settings."""
+    path = output_dir / FEATURES_MANIFEST
+    if not path.exists():
+        if any(output_dir.glob("features-*.safetensors")):
+            raise ValueError(f"{output_dir} holds feature shards but no {FEATURES_MANIFEST}: not a features folder to resume")
+        return
+    recorded = json.loads(path.read_text())
+    changed = sorted(k for k in recorded.keys() | manifest.keys() if k not in NOT_RESUME_KEYS and recorded.get(k) != manifest.get(k))
+    if changed:
+        raise ValueError(
+            f"{output_dir} holds features with different {', '.join(changed)}: resuming would mix two caches. "
+            f"Use a new output_dir, or the rows, target and settings recorded in {path}."
+        )
+
+
+def _shard_features(target, rows: Dataset, layer_ids, dtype, batch_size, max_seq_length, bar) -> dict:
+    """One shard: the rows' stored layers one after another, `hidden_states` [tokens, L, d], and `offsets` [rows + 1]."""
+    num_layers = target.config.get_text_config(decoder=True).num_hidden_layers
+    sequences = [ids[:max_seq_length] for ids in rows["input_ids"]]
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths in a batch: less padding
+    stacked = [None] * len(sequences)
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        length = max(len(sequences[i]) for i in batch)
+        input_ids = torch.zeros(len(batch), length, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, i in enumerate(batch):  # right padding, as the training collator pads
+            input_ids[row, : len(sequences[i])] = torch.as_tensor(sequences[i])
+            attention_mask[row, : len(sequences[i])] = 1
+        recorded = target_pass(target, input_ids.to(target.device), attention_mask.to(target.device), hidden_state_request(layer_ids))
+        layers = torch.stack(layer_outputs(recorded.hidden_states, layer_ids, num_layers), dim=-2)  # [S, T, L, d]
+        for row, i in enumerate(batch):
+            stacked[i] = layers[row, : len(sequences[i])].to("cpu", dtype)
+        bar.update(len(batch))
+    offsets = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)
+    return {"hidden_states": torch.cat(stacked), "offsets": offsets}
+
+
+@torch.no_grad()
+def extract_features(
+    target,
+    rows: Dataset,
+    output_dir,
+    layer_ids: list[int],
+    *,
+    dtype=torch.bfloat16,
+    max_seq_length: int = 2048,
+    shard_size: int = 64,
+    batch_size: int = 8,
+    target_name: str | None = None,
+    progress: bool = True,
+) -> "TargetFeatures":
+    """Store the outputs of target decoder layers `layer_ids` for every row of `rows` in `output_dir` (resumably, see
+    the module docstring); return the opened `TargetFeatures`. `target_name` (default: `target.name_or_path`) is the
+    target's name recorded in the manifest; its identity is the weights fingerprint."""
+    layer_ids = sorted(set(int(i) for i in layer_ids))
+    manifest = {
+        "format": FEATURES_FORMAT,
+        **_target_identity(target, target_name),
+        "target_dtype": str(target.dtype),
+        "layer_ids": layer_ids,
+        "dtype": str(dtype).removeprefix("torch."),
+        "data_fingerprint": data_fingerprint(rows),
+        "num_rows": len(rows),
+        "max_seq_length": max_seq_length,
+        "shard_size": shard_size,
+        "num_shards": math.ceil(len(rows) / shard_size),
+        "batch_size": batch_size,
+        "versions": {p: _version(p) for p in ("carryover-drafting", "torch", "transformers", "safetensors")},
+    }
+    output_dir = Path(output_dir)
+    _check_resumable(output_dir, manifest)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if not (output_dir / FEATURES_MANIFEST).exists():
+        write_atomic(output_dir / FEATURES_MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2)))
+
+    todo = [k for k in range(manifest["num_shards"]) if not _shard_path(output_dir, k).exists()]
+    done_rows = len(rows) - sum(len(range(k * shard_size, min((k + 1) * shard_size, len(rows)))) for k in todo)
+    bar = tqdm(total=len(rows), initial=done_rows, desc="target features", unit="row", disable=not progress)
+    for shard in todo:
+        part = rows.select(range(shard * shard_size, min((shard + 1) * shard_size, len(rows))))
+        tensors = _shard_features(target, part, layer_ids, dtype, batch_size, max_seq_length, bar)
+        write_atomic(_shard_path(output_dir, shard), lambda p: save_file(tensors, str(p)))
+    bar.close()
+    return TargetFeatures(output_dir)
+
+
+class TargetFeatures:
+    """A finished features folder, read through memory maps: `self[i]` is row i's stored layers [T_i, L, d]."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not (self.path / FEATURES_MANIFEST).exists():
+            raise ValueError(f"{self.path} has no {FEATURES_MANIFEST}: not a features folder (run python -m trainer.features)")
+        self.manifest = json.loads((self.path / FEATURES_MANIFEST).read_text())
+        if self.manifest.get("format") != FEATURES_FORMAT:
+            raise ValueError(f"{self.path}: format {self.manifest.get('format')!r}, expected {FEATURES_FORMAT!r}")
+        self.paths = [_shard_path(self.path, k) for k in range(self.manifest["num_shards"])]
+        missing = [p.name for p in self.paths if not p.exists()]
+        if missing:
+            raise ValueError(
+                f"{self.path}: {len(missing)} of {len(self.paths)} feature shards are missing ({missing[0]}, ...): run "
+                "python -m trainer.features again with the same arguments to finish"
+            )
+        self.offsets = []
+        for shard_path in self.paths:
+            with safe_open(str(shard_path), "pt") as f:
+                self.offsets.append(f.get_tensor("offsets").tolist())
+        self.layer_ids = self.manifest["layer_ids"]
+
+    def __len__(self):
+        return self.manifest["num_rows"]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        shard, row = divmod(index, self.manifest["shard_size"])
+        start, end = self.offsets[shard][row : row + 2]
+        with safe_open(str(self.paths[shard]), "pt") as f:  # a memory map: only this row's bytes are read
+            return f.get_slice("hidden_states")[start:end]
+
+    def hidden_states(self, indices: list[int], lengths: list[int], width: int) -> tuple:
+        """Rows `indices`, cut to `lengths` and right-padded to `width`, as an HF-style tuple of decoder-layer outputs
+        (one entry per target layer, None where not stored: what `layer_outputs` reads): [S, width, d] each."""
+        stacked = torch.zeros(len(indices), width, len(self.layer_ids), self.manifest["hidden_size"], dtype=getattr(torch, self.manifest["dtype"]))
+        for row, (index, length) in enumerate(zip(indices, lengths)):
+            stacked[row, :length] = self[index][:length]
+        layers = dict(zip(self.layer_ids, stacked.unbind(-2)))
+        return tuple(layers.get(i) for i in range(self.manifest["num_target_layers"]))
+
+    def _refuse(self, what: str, recorded, wanted, advice: str):
+        raise ValueError(f"{self.path} holds features of {what}: recorded {recorded}, this run has {wanted}. {advice}")
+
+    def check_target(self, target, target_name: str | None = None) -> None:
+        """Refuse features written by another target (other weights or shape); warn if it ran in another dtype."""
+        identity, recorded = _target_identity(target, target_name), self.manifest
+        if any(identity[k] != recorded[k] for k in ("target_fingerprint", "num_target_layers", "hidden_size")):
+            self._refuse(
+                "another target",
+                f"{recorded['target']} (weights {recorded['target_fingerprint'][:12]}, {recorded['num_target_layers']} layers)",
+                f"{identity['target']} (weights {identity['target_fingerprint'][:12]}, {identity['num_target_layers']} layers)",
+                "Extract features with this target (python -m trainer.features --target ...).",
+            )
+        if str(target.dtype) != recorded["target_dtype"]:
+            logger.warning(f"{self.path} was extracted with a {recorded['target_dtype']} target; this one is {target.dtype}.")
+
+    def check_layers(self, layer_ids: list[int]) -> None:
+        """Refuse a cache without every layer in `layer_ids` (the drafter's features, and the last layer for Markov)."""
+        missing = sorted(set(layer_ids) - set(self.layer_ids))
+        if missing:
+            self._refuse(
+                "other layers", f"layers {self.layer_ids}", f"a drafter that needs layers {sorted(set(layer_ids))} (missing {missing})",
+                "Extract features with --target_layer_ids covering them (--final_hidden for the Markov head's last layer).",
+            )
+
+    def attach(self, rows: Dataset, max_seq_length: int) -> Dataset:
+        """`rows` (as the extraction read them) with a FEATURE_INDEX column, after checking they are the rows the
+        features were extracted from and that rows of `max_seq_length` tokens have all their features stored."""
+        fingerprint = data_fingerprint(rows)
+        if fingerprint != self.manifest["data_fingerprint"]:
+            self._refuse(
+                "other rows", f"{self.manifest['num_rows']} rows (input_ids {self.manifest['data_fingerprint'][:12]})",
+                f"{len(rows)} rows ({fingerprint[:12]})", "Extract features again for these rows.",
+            )
+        if max_seq_length > self.manifest["max_seq_length"]:
+            self._refuse(
+                "shorter rows", f"max_seq_length={self.manifest['max_seq_length']}", f"max_seq_length={max_seq_length}",
+                "Train with a max_seq_length no larger, or extract features with a larger one.",
+            )
+        return rows.add_column(FEATURE_INDEX, list(range(len(rows))))
+
+
+def main(argv=None):
+    target_args, args = parse_arguments((TargetArguments, FeatureArguments), argv)
+    device = "cuda" if torch.cuda.is_available() else None
+    target, _ = load_target(target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype, device=device, tokenizer=False)
+    num_layers = target.config.get_text_config(decoder=True).num_hidden_layers
+    layer_ids = args.target_layer_ids or default_target_layer_ids(num_layers, args.num_draft_layers)
+    layer_ids = list(layer_ids) + ([num_layers - 1] if args.final_hidden else [])
+    features = extract_features(
+        target,
+        load_training_rows(args.dataset),
+        args.output_dir,
+        layer_ids,
+        dtype=getattr(torch, args.dtype),
+        max_seq_length=args.max_seq_length,
+        shard_size=args.shard_size,
+        batch_size=args.batch_size,
+        target_name=target_args.target,
+    )
+    print(f"{len(features)} rows, layers {features.layer_ids} ({args.dtype}) -> {args.output_dir}")
+    return features
+
+
+if __name__ == "__main__":
+    main()
