@@ -154,7 +154,7 @@ def test_interrupted_extraction_resumes_without_redoing_a_shard(setup, tmp_path,
     resumed = extract(setup, tmp_path / "resumed", batch_size=5)  # the batch size may change
     assert len(calls) == 2 and first.stat().st_mtime_ns == written  # shards 1 and 2 only
     for i in range(len(straight)):
-        assert torch.equal(straight[i], resumed[i])
+        assert torch.equal(straight.row(i), resumed.row(i))
 
 
 def test_a_stale_or_foreign_cache_is_refused(setup, tmp_path):

@@ -1,9 +1,11 @@
 """Training benchmark: throughput and peak memory of baseline and carryover steps, side by side in one run, and how
 a carryover step's time splits into the target pass, the detached first draft, the parallel verification, and the
-drafter's second pass (forward + loss) and backward.
+drafter's second pass (forward + loss) and backward. The `_cached` modes read the target's features from a features
+cache (trainer.features, extracted in that mode's process first, not timed) instead of the target's forward.
 
     python trainer/bench_training.py --dataset data/smollm2-magpie --steps 4 --batch_size 2 --num_anchors 64
     python trainer/bench_training.py --steps 4      # synthetic rows of random tokens if no dataset is given
+    python trainer/bench_training.py --modes baseline baseline_cached    # cached features against the online target
 
 A benchmark, not a test: the numbers are machine- and load-dependent; compare ratios measured in the same run.
 """
@@ -12,6 +14,7 @@ import json
 import multiprocessing
 import os
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,15 +25,18 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's own start/stop 
 
 import psutil
 import torch
+from accelerate.utils import send_to_device
 from torch.profiler import ProfilerActivity, profile
 
 from trainer.build import DrafterArguments, build_drafter, load_training_rows, prepare_rows
 from trainer.carryover_trainer import pad_collator
 from trainer.cli import parse_arguments
+from trainer.features import extract_features
 from trainer.objectives import LossSettings, default_gamma, training_step_loss
 from trainer.targets import load_target
 
 PHASES = ("carryover.target_pass", "carryover.first_draft", "carryover.verify", "carryover.drafter_loss")
+MODES = ("baseline", "baseline_cached", "carryover", "carryover_cached")
 
 
 @dataclass
@@ -47,6 +53,8 @@ class BenchArguments:
     max_seq_length: int = field(default=512)
     verify_chunk_size: int = field(default=64)
     attn_implementation: str = field(default="eager", metadata={"help": "eager, or flex_attention (GPU only)."})
+    modes: list[str] = field(default_factory=lambda: list(MODES), metadata={"choices": MODES})
+    features_dtype: str = field(default="bfloat16", metadata={"help": "Storage dtype of the _cached modes' features."})
     output: str = field(default="outputs/bench_training.json")
 
 
@@ -87,7 +95,8 @@ def synthetic_rows(vocab_size, length, rows=16, prompt=32):
     return Dataset.from_dict({"input_ids": ids.tolist(), "loss_mask": [[0] * prompt + [1] * (length - prompt)] * rows})
 
 
-def run_steps(drafter, target, batches, args, carryover, optimizer):
+def run_steps(drafter, target, batches, features, args, carryover, optimizer):
+    """`batches`: lists of rows, collated inside the timing (a features cache is read there, as in training)."""
     settings = LossSettings(gamma=default_gamma(drafter.config.block_size))
     device = next(drafter.parameters()).device
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -97,8 +106,8 @@ def run_steps(drafter, target, batches, args, carryover, optimizer):
     with PeakMemory(device) as memory, profile(activities=activities, acc_events=True) as profiler, autocast:
         sync()
         started = time.perf_counter()
-        for batch in batches:
-            batch = {k: v.to(device) for k, v in batch.items()}
+        for rows in batches:
+            batch = send_to_device(pad_collator(rows, features), device)
             loss, _ = training_step_loss(drafter, target, batch, args.num_anchors, settings, carryover, args.verify_chunk_size)
             sync()
             t0 = time.perf_counter()
@@ -122,33 +131,54 @@ def run_steps(drafter, target, batches, args, carryover, optimizer):
     }
 
 
-def measure_mode(args, carryover: bool) -> dict:
+def measure_mode(args, mode: str) -> dict:
     """One mode in its own process, so that its peak memory is not hidden by the other mode's freed allocations."""
     target, _ = load_target(args.target, tokenizer=False, dtype=getattr(torch, args.target_dtype))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target.to(device)
     rows = load_training_rows(args.dataset) if args.dataset else synthetic_rows(target.config.vocab_size, args.synthetic_length)
-    rows = prepare_rows(rows, args.max_seq_length)
-    batches = [pad_collator([rows[(i * args.batch_size + j) % len(rows)] for j in range(args.batch_size)]) for i in range(args.steps + 1)]
     torch.manual_seed(0)
     drafter_args = DrafterArguments(
         num_draft_layers=args.num_draft_layers, block_size=args.block_size, attn_implementation=args.attn_implementation
     )
     drafter = build_drafter(target, drafter_args).to(device).train()  # float32 master weights
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4)
-    run_steps(drafter, target, batches[:1], args, carryover, optimizer)  # warmup
-    return run_steps(drafter, target, batches[1:], args, carryover, optimizer) | {"device": str(device)}
+    with tempfile.TemporaryDirectory(prefix="bench-features-") as features_dir:
+        extraction, features = {}, None
+        if mode.endswith("_cached"):
+            started = time.perf_counter()
+            features = extract_features(
+                target, rows, features_dir, drafter.config.target_layer_ids, dtype=getattr(torch, args.features_dtype),
+                max_seq_length=args.max_seq_length, batch_size=args.batch_size, progress=False,
+            )
+            size = sum(f.stat().st_size for f in features.paths)
+            seconds = time.perf_counter() - started
+            extraction = {"extraction_seconds_per_row": seconds / len(rows), "features_mb_per_row": size / 2**20 / len(rows)}
+            rows = features.attach(rows, args.max_seq_length)
+        rows = prepare_rows(rows, args.max_seq_length)
+        batches = [[rows[(i * args.batch_size + j) % len(rows)] for j in range(args.batch_size)] for i in range(args.steps + 1)]
+        carryover = mode.startswith("carryover")
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4)
+        run_steps(drafter, target, batches[:1], features, args, carryover, optimizer)  # warmup
+        result = run_steps(drafter, target, batches[1:], features, args, carryover, optimizer)
+    return result | extraction | {"device": str(device)}
 
 
 def main(argv=None):
     (args,) = parse_arguments(BenchArguments, argv)
     report = {"settings": asdict(args), "torch_threads": torch.get_num_threads(), "modes": {}}
     context = multiprocessing.get_context("spawn")
-    for mode, carryover in (("baseline", False), ("carryover", True)):
+    for mode in args.modes:
         with context.Pool(1, initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)) as pool:
-            report["modes"][mode] = pool.apply(measure_mode, (args, carryover))
-    base, carry = report["modes"]["baseline"], report["modes"]["carryover"]
-    report["carryover_step_cost_vs_baseline"] = carry["seconds_per_step"] / base["seconds_per_step"]
+            report["modes"][mode] = pool.apply(measure_mode, (args, mode))
+    seconds = {mode: entry["seconds_per_step"] for mode, entry in report["modes"].items()}
+    ratios = {  # name: (numerator mode, denominator mode), where both ran
+        "carryover_step_cost_vs_baseline": ("carryover", "baseline"),
+        "cached_baseline_steps_per_second_vs_online": ("baseline", "baseline_cached"),
+        "cached_carryover_steps_per_second_vs_online": ("carryover", "carryover_cached"),
+    }
+    for name, (slow, fast) in ratios.items():
+        if slow in seconds and fast in seconds:
+            report[name] = seconds[slow] / seconds[fast]
 
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
@@ -156,10 +186,13 @@ def main(argv=None):
     for mode, entry in report["modes"].items():
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in entry["seconds_per_step_by_phase"].items() if v)
         print(
-            f"{mode:<10} {entry['seconds_per_step']:.2f} s/step  {entry['response_tokens_per_second']:.0f} tok/s  "
+            f"{mode:<17} {entry['seconds_per_step']:.2f} s/step  {entry['response_tokens_per_second']:.0f} tok/s  "
             f"peak +{entry['peak_memory_mb']:.0f} MB  [{phases}]"
         )
-    print(f"carryover step = {report['carryover_step_cost_vs_baseline']:.2f}x a baseline step -> {args.output}")
+    for name in ratios:
+        if name in report:
+            print(f"{name} = {report[name]:.2f}")
+    print(f"-> {args.output}")
     return report
 
 

@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 
 FEATURES_MANIFEST = "features.json"
 FEATURES_FORMAT = "carryover-features-v1"
-# Manifest entries that may change between the runs of one resumed extraction.
-NOT_RESUME_KEYS = ("versions", "batch_size")
+# Manifest entries that may change between the runs of one resumed extraction (the target's identity is its weights
+# fingerprint, not its name or path).
+NOT_RESUME_KEYS = ("target", "versions", "batch_size")
 
 
 @dataclass
@@ -107,7 +108,8 @@ def _check_resumable(output_dir: Path, manifest: dict) -> None:
             raise ValueError(f"{output_dir} holds feature shards but no {FEATURES_MANIFEST}: not a features folder to resume")
         return
     recorded = json.loads(path.read_text())
-    changed = sorted(k for k in recorded.keys() | manifest.keys() if k not in NOT_RESUME_KEYS and recorded.get(k) != manifest.get(k))
+    keys = (recorded.keys() | manifest.keys()) - set(NOT_RESUME_KEYS)
+    changed = sorted(k for k in keys if recorded.get(k) != manifest.get(k))
     if changed:
         raise ValueError(
             f"{output_dir} holds features with different {', '.join(changed)}: resuming would mix two caches. "
@@ -129,7 +131,8 @@ def _shard_features(target, rows: Dataset, layer_ids, dtype, batch_size, max_seq
         for row, i in enumerate(batch):  # right padding, as the training collator pads
             input_ids[row, : len(sequences[i])] = torch.as_tensor(sequences[i])
             attention_mask[row, : len(sequences[i])] = 1
-        recorded = target_pass(target, input_ids.to(target.device), attention_mask.to(target.device), hidden_state_request(layer_ids))
+        input_ids, attention_mask = input_ids.to(target.device), attention_mask.to(target.device)
+        recorded = target_pass(target, input_ids, attention_mask, hidden_state_request(layer_ids))
         layers = torch.stack(layer_outputs(recorded.hidden_states, layer_ids, num_layers), dim=-2)  # [S, T, L, d]
         for row, i in enumerate(batch):
             stacked[i] = layers[row, : len(sequences[i])].to("cpu", dtype)
@@ -176,19 +179,19 @@ def extract_features(
     if not (output_dir / FEATURES_MANIFEST).exists():
         write_atomic(output_dir / FEATURES_MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2)))
 
-    todo = [k for k in range(manifest["num_shards"]) if not _shard_path(output_dir, k).exists()]
-    done_rows = len(rows) - sum(len(range(k * shard_size, min((k + 1) * shard_size, len(rows)))) for k in todo)
+    shards = [range(start, min(start + shard_size, len(rows))) for start in range(0, len(rows), shard_size)]
+    todo = [k for k in range(len(shards)) if not _shard_path(output_dir, k).exists()]
+    done_rows = len(rows) - sum(len(shards[k]) for k in todo)
     bar = tqdm(total=len(rows), initial=done_rows, desc="target features", unit="row", disable=not progress)
     for shard in todo:
-        part = rows.select(range(shard * shard_size, min((shard + 1) * shard_size, len(rows))))
-        tensors = _shard_features(target, part, layer_ids, dtype, batch_size, max_seq_length, bar)
+        tensors = _shard_features(target, rows.select(shards[shard]), layer_ids, dtype, batch_size, max_seq_length, bar)
         write_atomic(_shard_path(output_dir, shard), lambda p: save_file(tensors, str(p)))
     bar.close()
     return TargetFeatures(output_dir)
 
 
 class TargetFeatures:
-    """A finished features folder, read through memory maps: `self[i]` is row i's stored layers [T_i, L, d]."""
+    """A finished features folder, read through memory maps: `row(i)` is row i's stored layers [T_i, L, d]."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -213,19 +216,22 @@ class TargetFeatures:
     def __len__(self):
         return self.manifest["num_rows"]
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def row(self, index: int, length: int | None = None) -> torch.Tensor:
+        """Row `index`'s stored layers, its first `length` tokens (default: all) -> [T, L, d]."""
         shard, row = divmod(index, self.manifest["shard_size"])
         start, end = self.offsets[shard][row : row + 2]
-        with safe_open(str(self.paths[shard]), "pt") as f:  # a memory map: only this row's bytes are read
+        end = end if length is None else min(end, start + length)
+        with safe_open(str(self.paths[shard]), "pt") as f:  # a memory map: only these tokens' bytes are read
             return f.get_slice("hidden_states")[start:end]
 
     def hidden_states(self, indices: list[int], lengths: list[int], width: int) -> tuple:
         """Rows `indices`, cut to `lengths` and right-padded to `width`, as an HF-style tuple of decoder-layer outputs
         (one entry per target layer, None where not stored: what `layer_outputs` reads): [S, width, d] each."""
-        stacked = torch.zeros(len(indices), width, len(self.layer_ids), self.manifest["hidden_size"], dtype=getattr(torch, self.manifest["dtype"]))
+        shape = (len(self.layer_ids), len(indices), width, self.manifest["hidden_size"])  # [L, S, T, d]
+        stacked = torch.zeros(shape, dtype=getattr(torch, self.manifest["dtype"]))
         for row, (index, length) in enumerate(zip(indices, lengths)):
-            stacked[row, :length] = self[index][:length]
-        layers = dict(zip(self.layer_ids, stacked.unbind(-2)))
+            stacked[:, row, :length] = self.row(index, length).movedim(1, 0)
+        layers = dict(zip(self.layer_ids, stacked))
         return tuple(layers.get(i) for i in range(self.manifest["num_target_layers"]))
 
     def _refuse(self, what: str, recorded, wanted, advice: str):
@@ -249,7 +255,9 @@ class TargetFeatures:
         missing = sorted(set(layer_ids) - set(self.layer_ids))
         if missing:
             self._refuse(
-                "other layers", f"layers {self.layer_ids}", f"a drafter that needs layers {sorted(set(layer_ids))} (missing {missing})",
+                "other layers",
+                f"layers {self.layer_ids}",
+                f"a drafter that needs layers {sorted(set(layer_ids))} (missing {missing})",
                 "Extract features with --target_layer_ids covering them (--final_hidden for the Markov head's last layer).",
             )
 
@@ -273,7 +281,9 @@ class TargetFeatures:
 def main(argv=None):
     target_args, args = parse_arguments((TargetArguments, FeatureArguments), argv)
     device = "cuda" if torch.cuda.is_available() else None
-    target, _ = load_target(target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype, device=device, tokenizer=False)
+    target, _ = load_target(
+        target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype, device=device, tokenizer=False
+    )
     num_layers = target.config.get_text_config(decoder=True).num_hidden_layers
     layer_ids = args.target_layer_ids or default_target_layer_ids(num_layers, args.num_draft_layers)
     layer_ids = list(layer_ids) + ([num_layers - 1] if args.final_hidden else [])
