@@ -26,6 +26,9 @@ The formats, as read in their public code:
   with - 1), `mask_token_id`, `block_size`, `draft_vocab_size`, `sample_from_anchor` (False: z-lab's layout),
   `speculators_config: {algorithm, proposal_methods: [{proposal_type, speculative_tokens}], default_proposal_method,
   verifier: {name_or_path, architectures}}`; dspark adds the Markov and confidence heads under DeepSpec's names.
+  A draft vocabulary (`draft_vocab_size` < the verifier's) comes with the buffers `d2t` (long [N]: draft index i is
+  target token i + d2t[i], ids increasing; speculators' vocab_mapping) and `t2d` (bool [V]: which target tokens are
+  drafted), and speculators' own training loads the N target LM-head rows from the verifier through `t2d`.
   `layer_types` in `transformer_layer_config` may hold `sliding_attention` layers (its training CLI's default): the
   block at anchor a sees the `sliding_window` context rows before a, and its own block causally unless
   `sliding_window_non_causal` (models/dflash/attention.py), which is this drafter's sliding-window rule.
@@ -226,19 +229,16 @@ def from_dspark(config: dict, weights: dict[str, torch.Tensor], init_only: bool 
 
 
 def from_speculators(config: dict, weights: dict[str, torch.Tensor], init_only: bool = False) -> CarryoverDrafterModel:
-    """speculators dflash/dspark -> ours. Unsupported: pruned draft vocabularies, a target hidden size different from
-    the drafter's, gated/rnn Markov heads, and (without `init_only`) `sample_from_anchor=True`."""
+    """speculators dflash/dspark -> ours (a draft vocabulary's d2t/t2d become our token map). Unsupported: a target
+    hidden size different from the drafter's, gated/rnn Markov heads, and (without `init_only`)
+    `sample_from_anchor=True`."""
     kind = config["speculators_model_type"]
     source = f"speculators {kind}"
     if kind not in ("dflash", "dspark"):
         raise ValueError(f"speculators_model_type {kind!r} is not a DFlash-family drafter: expected dflash or dspark.")
     layers = _required(config, "transformer_layer_config", source)
     vocab_size, hidden_size = layers["vocab_size"], layers["hidden_size"]
-    if config.get("draft_vocab_size", vocab_size) != vocab_size or "d2t" in weights:
-        raise ValueError(
-            f"{source} has a pruned draft vocabulary (draft_vocab_size={config.get('draft_vocab_size')} of "
-            f"{vocab_size}, t2d/d2t maps): not supported, this drafter scores the target's full vocabulary."
-        )
+    draft_token_ids = speculators_token_map(config, weights, vocab_size, source)
     if config.get("target_hidden_size") not in (None, hidden_size):
         raise ValueError(f"{source} has target_hidden_size {config['target_hidden_size']} != hidden_size {hidden_size}")
     aux_ids = _required(config, "aux_hidden_state_layer_ids", source)
@@ -258,9 +258,30 @@ def from_speculators(config: dict, weights: dict[str, torch.Tensor], init_only: 
         block_size=_required(config, "block_size", source),
         mask_token_id=_required(config, "mask_token_id", source),
         markov_rank=rank,
+        draft_vocab_size=None if draft_token_ids is None else len(draft_token_ids),
     )
     weights = markov_weights(weights, drafter_config, config.get("confidence_head_with_markov", True), source)
+    if draft_token_ids is not None:
+        weights["draft_token_ids"] = draft_token_ids
     return drafter_from_weights(drafter_config, weights, source)
+
+
+def speculators_token_map(config: dict, weights: dict[str, torch.Tensor], vocab_size: int, source: str):
+    """Our token map (sorted target ids) from speculators' d2t/t2d, which are removed from `weights`; None for a
+    full-vocabulary drafter. A map that contradicts itself or `draft_vocab_size` is a clear error."""
+    size = config.get("draft_vocab_size") or vocab_size
+    d2t, t2d = weights.pop("d2t", None), weights.pop("t2d", None)
+    if size == vocab_size and d2t is None:
+        return None
+    if d2t is None or t2d is None:
+        raise ValueError(f"{source} has draft_vocab_size={size} of {vocab_size} but lacks its d2t/t2d token maps.")
+    draft_token_ids = d2t.long() + torch.arange(len(d2t))  # speculators: target id = draft index + d2t[index]
+    if len(d2t) != size or t2d.shape != (vocab_size,) or not torch.equal(t2d.bool().nonzero()[:, 0], draft_token_ids):
+        raise ValueError(
+            f"{source}'s token maps disagree: d2t has {len(d2t)} entries for draft_vocab_size={size}, and t2d "
+            f"({tuple(t2d.shape)}, {int(t2d.bool().sum())} set) must mark exactly the targets of d2t."
+        )
+    return draft_token_ids
 
 
 def from_transformers_dflash(config: dict, weights: dict[str, torch.Tensor]) -> CarryoverDrafterModel:
@@ -430,7 +451,7 @@ def export_dflash(drafter: CarryoverDrafterModel, output_dir: str | Path) -> Pat
     it. No `auto_map`: z-lab's `dflash.py` is not part of the folder (load it with z-lab's package); to load and decode
     with transformers alone, export with `export_transformers`."""
     config = drafter.config
-    check_exportable(config, "The z-lab DFlash format", keeps_sliding_layers=False)
+    check_exportable(config, "The z-lab DFlash format", keeps_sliding_layers=False, keeps_token_map=False)
     state = exported_state(drafter, "The z-lab DFlash format", keep_markov=False)
     dflash_config = {
         "architectures": ["DFlashDraftModel"],
@@ -446,7 +467,7 @@ def export_speculators(drafter: CarryoverDrafterModel, output_dir: str | Path, v
     """Write the speculators format: `dflash`, or `dspark` with `sample_from_anchor: false` when there is a Markov
     head. Carryover has no place in it. `verifier`: the target's Hub id (or path), recorded for loaders."""
     config = drafter.config
-    check_exportable(config, "The speculators format", keeps_sliding_layers=True)
+    check_exportable(config, "The speculators format", keeps_sliding_layers=True, keeps_token_map=True)
     markov = config.markov_rank > 0
     state = exported_state(drafter, "The speculators format", keep_markov=True)
     last_layer = config.num_target_layers - 1
@@ -460,7 +481,7 @@ def export_speculators(drafter: CarryoverDrafterModel, output_dir: str | Path, v
         "architectures": ["DSparkSpeculator" if markov else "DFlashSpeculator"],
         "speculators_model_type": "dspark" if markov else "dflash",
         "transformer_layer_config": qwen3_layer_config(config),
-        "draft_vocab_size": config.vocab_size,
+        "draft_vocab_size": config.scored_vocab_size,
         "block_size": config.block_size,
         "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "mask_token_id": config.mask_token_id,
@@ -491,6 +512,10 @@ def export_speculators(drafter: CarryoverDrafterModel, output_dir: str | Path, v
         }
         theirs = {ours: name for name, ours in MARKOV_KEYS.items()}
         state = {theirs.get(key, key): tensor for key, tensor in state.items()}
+    draft_token_ids = state.pop("draft_token_ids", None)
+    if draft_token_ids is not None:  # speculators' maps: d2t[i] = target id - i, t2d = the drafted target tokens
+        state["d2t"] = draft_token_ids - torch.arange(len(draft_token_ids))
+        state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill(0, draft_token_ids, True)
     return write_checkpoint(output_dir, speculators_config, state)
 
 
@@ -500,7 +525,7 @@ def export_transformers(drafter: CarryoverDrafterModel, output_dir: str | Path) 
     does with carryover=False. Carryover and the Markov head have no place in it."""
     config = drafter.config
     format_name = "transformers' built-in DFlash"
-    check_exportable(config, format_name, keeps_sliding_layers=False)
+    check_exportable(config, format_name, keeps_sliding_layers=False, keeps_token_map=False)
     if config.attention_bias:
         raise ValueError(f"{format_name} has no attention biases; this drafter has (attention_bias=True).")
     layers = qwen3_layer_config(config)
@@ -523,8 +548,17 @@ def export_transformers(drafter: CarryoverDrafterModel, output_dir: str | Path) 
     return write_checkpoint(output_dir, transformers_config.to_diff_dict(), state)
 
 
-def check_exportable(config: CarryoverDrafterConfig, format_name: str, keeps_sliding_layers: bool) -> None:
+def check_exportable(
+    config: CarryoverDrafterConfig, format_name: str, keeps_sliding_layers: bool, keeps_token_map: bool
+) -> None:
     """Refuse what the format's DFlash layers would compute differently: the export would propose other tokens."""
+    if config.draft_vocab_size is not None and not keeps_token_map:
+        # Expanding to the full vocabulary would score target rows this drafter was never trained to rank (and
+        # drop a Markov head's N-row W2): it would propose other tokens, so it is refused, not approximated.
+        raise ValueError(
+            f"{format_name} has no draft-vocabulary token map, and this drafter drafts on {config.draft_vocab_size} "
+            f"of {config.vocab_size} tokens: not exported. The speculators format keeps the map (d2t/t2d)."
+        )
     factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
     if factor != 1.0:
         raise ValueError(

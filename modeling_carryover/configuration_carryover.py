@@ -80,6 +80,11 @@ class CarryoverDrafterConfig(PreTrainedConfig):
             `lm_head(h_k) + W2(W1[x_{k-1}])` of rank `r` and its confidence head (trained with DSpark's objective
             and exported with the head; decoding always proposes `block_size - 1` tokens, as in the paper, which
             disables confidence scheduling).
+        draft_vocab_size (`int`, *optional*): None (the default) scores the target's whole vocabulary. `N` restricts
+            the drafter to a draft vocabulary of N target tokens (FR-Spec; EAGLE-3's d2t/t2d), in practice the N most
+            frequent in the training responses: the model's `draft_token_ids` buffer (saved with the weights) names
+            the target LM-head rows it scores. Drafting, the training losses and the sampling distribution q live on
+            that subset; q is 0 outside it, so speculative sampling stays exact. The Markov head's W2 then has N rows.
         target_model_type (`str`, *optional*): `model_type` of the target the drafter was built for (provenance).
     """
 
@@ -108,6 +113,7 @@ class CarryoverDrafterConfig(PreTrainedConfig):
     carryover: bool = False
     carryover_interface: str = "embedding"
     markov_rank: int = 0
+    draft_vocab_size: int | None = None
     target_model_type: str | None = None
 
     def __post_init__(self, **kwargs):
@@ -153,6 +159,11 @@ class CarryoverDrafterConfig(PreTrainedConfig):
             )
         if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
             raise ValueError(f"Sliding-window layers need sliding_window >= 1, got {self.sliding_window}.")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in 1..vocab_size ({self.vocab_size}) or None (the full vocabulary), got "
+                f"{self.draft_vocab_size}."
+            )
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}.")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -172,6 +183,11 @@ class CarryoverDrafterConfig(PreTrainedConfig):
                 f"{cls.model_type!r}."
             )
         return super().from_dict(config_dict, **kwargs)
+
+    @property
+    def scored_vocab_size(self) -> int:
+        """Logits per draft slot: `draft_vocab_size`, else the target's `vocab_size`."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def feature_size(self) -> int:

@@ -7,8 +7,8 @@ unchanged, as `custom_generate/generate.py` next to every checkpoint, so that
 
 decodes with carryover in a process where this project is not installed. It talks to the drafter only through the
 drafter's own methods (`check_target`, `feature_hidden_state_indices`, `target_features`, `block_inputs`,
-`rejected_rows`, `forward`, `greedy_drafts`, `markov_correction`), so the concepts they define are the ones training
-uses too.
+`rejected_rows`, `forward`, `draft_logits`, `greedy_drafts`, `markov_correction`, `full_vocab_logits`), so the
+concepts they define are the ones training uses too.
 
 Each round (batch size 1, like all assisted generation in transformers):
   1. the target's last verification forward returned hidden states for the window `[anchor, draft_1 .. draft_c]`;
@@ -155,21 +155,23 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         )
         self.pending = None
         hidden = out.last_hidden_state[0, 0, 1 : num_drafts + 1]  # slot k predicts the token at anchor + k
-        logits = self.lm_head(hidden.to(self.lm_head.weight.device, self.lm_head.weight.dtype)).float()  # [c, V]
+        logits = self.drafter.draft_logits(self.lm_head, hidden)  # [c, scored vocab]: the draft vocabulary, if any
         return self._choose_drafts(input_ids, logits)
 
     def _choose_drafts(self, input_ids, logits):
         """Pick drafts slot by slot as the target will judge them: logits processors see the sequence so far and the
-        Markov head the previous choice. The returned logits are exactly those each draft was drawn from."""
+        Markov head the previous choice. The returned logits are exactly those each draft was drawn from, over the
+        target's vocabulary (-inf outside a draft vocabulary: q = 0 there). logits [c, scored vocab]"""
         if not (self.do_sample or len(self.logits_processor)):  # plain greedy: the rule training uses too
             drafts = self.drafter.greedy_drafts(logits, input_ids[0, -1].to(logits.device))
             return torch.cat([input_ids, drafts[None].to(input_ids.device)], dim=-1), None
         sequence, previous, chosen_from = input_ids, input_ids[:, -1], []
         logits = logits.to(input_ids.device)  # processors index with the sequence
-        for slot_logits in logits.split(1):  # [1, V]
+        for slot_logits in logits.split(1):  # [1, scored vocab]
             if self.use_markov:
                 correction = self.drafter.markov_correction(previous)
                 slot_logits = slot_logits + correction.float().to(slot_logits.device)
+            slot_logits = self.drafter.full_vocab_logits(slot_logits)  # [1, V]: processors index target ids
             if len(self.logits_processor):
                 slot_logits = self.logits_processor(sequence, slot_logits)
             if self.do_sample:

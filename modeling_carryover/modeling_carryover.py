@@ -79,6 +79,19 @@ def rejected_rows(window_features, window_position_ids, accepted_len):
     return features, position_ids, valid
 
 
+def check_draft_token_ids(draft_token_ids, config) -> None:
+    """Raise a `ValueError` unless `draft_token_ids` is a valid token map for `config`: `draft_vocab_size` target ids,
+    strictly increasing (so unique), each in [0, vocab_size)."""
+    ids = draft_token_ids
+    expected = (config.draft_vocab_size,)
+    if ids.dtype != torch.long or tuple(ids.shape) != expected:
+        raise ValueError(f"The draft token map must be a LongTensor of shape {expected}, got {ids.dtype} {tuple(ids.shape)}.")
+    if len(ids) and not (0 <= int(ids[0]) and int(ids[-1]) < config.vocab_size):
+        raise ValueError(f"The draft token map has ids outside the target vocabulary [0, {config.vocab_size}).")
+    if (ids[1:] <= ids[:-1]).any():
+        raise ValueError("The draft token map must list unique target ids in increasing order.")
+
+
 def sliding_window_visibility(context_position_ids, anchor_positions, sliding_window: int):
     """A sliding-window layer's block at anchor a sees the context rows at positions a - sliding_window .. a - 1 (and
     whatever the context mask allows of them): speculators' DFlash rule, counted from the anchor for every slot.
@@ -388,9 +401,15 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         self.carry_embedding = nn.Parameter(torch.zeros(feature_size)) if config.carryover_interface == "embedding" else None
         self.carry_proj = nn.Linear(feature_size, d, bias=False) if config.carryover_interface == "projector" else None
 
+        # The draft vocabulary: the target ids of the LM-head rows the drafter scores (EAGLE-3's d2t as ids, sorted);
+        # a buffer, so it is saved with the weights. A placeholder until `set_draft_vocab` (training) or loading.
+        draft_token_ids = torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None
+        self.register_buffer("draft_token_ids", draft_token_ids)
+        self._draft_head = None  # (key, rows): the frozen LM head's draft-vocabulary rows, see `draft_logits`
+
         rank = config.markov_rank
-        self.markov_embed = nn.Embedding(config.vocab_size, rank) if rank else None  # W1
-        self.markov_proj = nn.Linear(rank, config.vocab_size, bias=False) if rank else None  # W2
+        self.markov_embed = nn.Embedding(config.vocab_size, rank) if rank else None  # W1: any previous target token
+        self.markov_proj = nn.Linear(rank, config.scored_vocab_size, bias=False) if rank else None  # W2: scored tokens
         self.confidence_head = nn.Linear(d + rank, 1) if rank else None
 
         self.generation_stats = None  # filled by every carryover `generate` call
@@ -405,6 +424,8 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         problems = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys") and v}
         if problems:
             raise ValueError(f"Corrupt or foreign drafter checkpoint {args[0] if args else ''!s}: {problems}")
+        if model.draft_token_ids is not None:
+            check_draft_token_ids(model.draft_token_ids, model.config)
         return (model, info) if return_info else model
 
     def __getattr__(self, name):
@@ -529,23 +550,76 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
             last_hidden_state=self.norm(hidden_states), attentions=attentions if output_attentions else None
         )
 
+    # -- the draft vocabulary (one definition for training and decoding) ---------------------------------------
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """Use the target tokens `token_ids` (unique, increasing) as the draft vocabulary."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        check_draft_token_ids(ids, self.config)
+        self.draft_token_ids.copy_(ids)
+
+    def draft_logits(self, lm_head, hidden):
+        """The target's LM head on the drafter's hidden states, restricted to the rows of the draft vocabulary (all
+        rows without one). hidden [..., d] -> float32 logits [..., scored_vocab_size]"""
+        weight = lm_head.weight
+        if self.draft_token_ids is None:
+            return lm_head(hidden.to(weight.device, weight.dtype)).float()
+        rows = self.draft_token_ids.to(weight.device)
+        bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias[rows]
+        return nn.functional.linear(hidden.to(weight.device, weight.dtype), self.draft_head_weight(weight, rows), bias).float()
+
+    def draft_head_weight(self, weight, rows):
+        """`weight[rows]`, kept while the (frozen) LM head and the token map are unchanged: gathering N rows costs as
+        much as the drafting round's matmul itself. A head that trains is gathered on every call; rows gathered under
+        inference mode are not reused outside it (autograd cannot save them)."""
+        if weight.requires_grad:
+            return weight[rows]
+        key = (weight.data_ptr(), weight._version, weight.shape, weight.device, weight.dtype, self.draft_token_ids._version)
+        key += (torch.is_inference_mode_enabled(),)
+        if self._draft_head is None or self._draft_head[0] != key:
+            self._draft_head = (key, weight[rows])
+        return self._draft_head[1]
+
+    def to_target_ids(self, draft_ids):
+        """Draft-vocabulary indices -> target token ids. [...] -> [...]"""
+        return draft_ids if self.draft_token_ids is None else self.draft_token_ids.to(draft_ids.device)[draft_ids]
+
+    def to_draft_ids(self, token_ids):
+        """Target token ids -> draft-vocabulary indices, -1 for tokens outside it. [...] -> [...]"""
+        if self.draft_token_ids is None:
+            return token_ids
+        ids = self.draft_token_ids.to(token_ids.device)
+        index = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
+        index[ids] = torch.arange(len(ids), device=token_ids.device)
+        return index[token_ids]
+
+    def full_vocab_logits(self, logits):
+        """Scored logits -> logits over the target's vocabulary, -inf outside the draft vocabulary (q = 0 there, which
+        keeps speculative sampling exact). [..., scored_vocab_size] -> [..., vocab_size]"""
+        if self.draft_token_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.draft_token_ids.to(logits.device), logits)
+
     # -- Markov head (DSpark-style first-order correction) ------------------------------------------------------
 
     def markov_correction(self, prev_token_ids):
-        """W2(W1[x_{k-1}]): logit correction for a slot whose previous token is x_{k-1}. [...] -> [..., V]"""
+        """W2(W1[x_{k-1}]): logit correction of the scored tokens for a slot whose previous (target) token is x_{k-1}.
+        [...] -> [..., scored_vocab_size]"""
         return self.markov_proj(self.markov_embed(prev_token_ids.to(self.markov_embed.weight.device)))
 
     def greedy_drafts(self, slot_logits, anchor_ids, return_logits=False):
-        """Greedy drafts from the slot logits [..., c, V] (slot k proposes the token at anchor + k), left to right for
-        the Markov head, which corrects each slot with the previous choice (the anchor for the first). -> [..., c]
-        (and the corrected logits the drafts were chosen from, with `return_logits=True`)."""
+        """Greedy target-token drafts from the scored slot logits [..., c, scored_vocab_size] (`draft_logits`; slot k
+        proposes the token at anchor + k): the argmax over the draft vocabulary, mapped to target ids; left to right
+        for the Markov head, which corrects each slot with the previous choice (the anchor for the first). -> [..., c]
+        (and the corrected scored logits the drafts were chosen from, with `return_logits=True`)."""
         if self.config.markov_rank:
             previous, corrected = anchor_ids, []
             for logits in slot_logits.unbind(-2):
                 corrected.append(logits + self.markov_correction(previous).to(logits.device, logits.dtype))
-                previous = corrected[-1].argmax(-1)
+                previous = self.to_target_ids(corrected[-1].argmax(-1))
             slot_logits = torch.stack(corrected, dim=-2)
-        drafts = slot_logits.argmax(-1)
+        drafts = self.to_target_ids(slot_logits.argmax(-1))
         return (drafts, slot_logits) if return_logits else drafts
 
     def confidence(self, hidden_states, prev_token_ids):
@@ -578,6 +652,7 @@ __all__ = [
     "CarryoverDrafterModel",
     "CarryoverDrafterOutput",
     "CarryoverPreTrainedModel",
+    "check_draft_token_ids",
     "hidden_state_request",
     "layer_outputs",
     "rejected_rows",

@@ -428,7 +428,7 @@ def test_unsupported_dspark_variants_are_named(target, tmp_path, overrides, mess
         (lambda c: c.update(sample_from_anchor=True), "anchor slot is the first prediction"),
         (lambda c: c.pop("sample_from_anchor"), "anchor slot is the first prediction"),  # dspark's default: True
         (lambda c: c.update(aux_hidden_state_layer_ids=[0, 3]), r"include 0 \(the embedding output\)"),
-        (lambda c: c.update(draft_vocab_size=32), "pruned draft vocabulary"),
+        (lambda c: c.update(draft_vocab_size=32), "lacks its d2t/t2d token maps"),
         (lambda c: c.update(speculators_model_type="eagle3"), "not a DFlash-family drafter"),
     ],
 )

@@ -2,7 +2,8 @@
 
 A tiny vocabulary makes the exact distribution computable by enumeration; thousands of carryover `generate` calls
 sample from it, with carryover on (proposals read the previous round's rejected rows). The same test detects a
-generator whose candidate logits are not those its drafts were drawn from.
+generator whose candidate logits are not those its drafts were drawn from. With a draft vocabulary of 4 of the 6
+tokens, q is 0 on the other two, which the target still produces: the output distribution must not change.
 """
 
 import pytest
@@ -11,17 +12,23 @@ from conftest import greedy_dataset, make_drafter, make_target, train_drafter
 
 import modeling_carryover as mc
 from modeling_carryover.generation_carryover import CarryoverCandidateGenerator, _candidate_generator_of
+from trainer.build import draft_vocab_from_rows
 from transformers import GenerationMixin, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 VOCAB, NEW_TOKENS, SAMPLES = 6, 4, 2000
 
 
-def tiny_sampling_setup(markov_rank):
+def tiny_sampling_setup(markov_rank, draft_vocab_size=None):
     """A 6-token target and a drafter trained on its greedy outputs: it proposes likely tokens, so speculative
-    sampling accepts and rejects often (a drafter that is always rejected would hide a wrong q)."""
+    sampling accepts and rejects often (a drafter that is always rejected would hide a wrong q). With
+    `draft_vocab_size`, the drafter scores the most frequent tokens of that data only."""
     target = make_target("llama", vocab_size=VOCAB, initializer_range=0.3)
-    drafter = make_drafter(target, block_size=4, markov_rank=markov_rank, mask_token_id=VOCAB - 1)
+    drafter = make_drafter(
+        target, block_size=4, markov_rank=markov_rank, mask_token_id=VOCAB - 1, draft_vocab_size=draft_vocab_size
+    )
     dataset = greedy_dataset(target, num_rows=32, prompt_len=5, new_tokens=24)
+    if draft_vocab_size:
+        drafter.set_draft_vocab(draft_vocab_from_rows(dataset, draft_vocab_size, VOCAB))
     train_drafter(target, drafter, dataset, epochs=6, num_anchors=8)
     return target, drafter, torch.tensor([[1, 4, 2, 0, 3]])
 
@@ -58,10 +65,12 @@ def total_variation(p, q):
 SETTINGS = {"plain": {}, "warped": {"temperature": 0.7, "top_k": 4}}
 
 
-@pytest.mark.parametrize("markov_rank", [0, 4])
-@pytest.mark.parametrize("setting", ["plain", "warped"])
-def test_sampling_matches_target_distribution(markov_rank, setting):
-    target, drafter, prompt = tiny_sampling_setup(markov_rank)
+@pytest.mark.parametrize(
+    "markov_rank, setting, draft_vocab_size",
+    [(0, "plain", None), (4, "plain", None), (0, "warped", None), (4, "warped", None), (0, "plain", 4), (4, "warped", 4)],
+)
+def test_sampling_matches_target_distribution(markov_rank, setting, draft_vocab_size):
+    target, drafter, prompt = tiny_sampling_setup(markov_rank, draft_vocab_size)
     kwargs = SETTINGS[setting]
     processors = LogitsProcessorList()
     if setting == "warped":
@@ -78,6 +87,10 @@ def test_sampling_matches_target_distribution(markov_rank, setting):
         return out
 
     sampled = sampled_marginals(speculative, prompt)
+    if draft_vocab_size:  # q = 0 where the target still puts mass: what the exactness check has to cover
+        outside = [t for t in range(VOCAB) if t not in drafter.draft_token_ids.tolist()]
+        assert exact[:, outside].sum(-1).max() > 0.05, exact
+        assert not {d for r in rounds for d in r.drafts} & set(outside)
     # up to two drafts per round judged by speculative sampling, accepted often and rejected often
     assert max(r.proposed for r in rounds) == 2
     accepted = sum(r.accepted for r in rounds) / sum(r.proposed for r in rounds)

@@ -191,7 +191,9 @@ class _TinyLMHead(torch.nn.Module):
 
 
 def test_dflash_loss_by_hand():
-    drafter = type("D", (), {"config": type("C", (), {"markov_rank": 0})()})()
+    helpers = ("draft_logits", "to_draft_ids", "to_target_ids", "full_vocab_logits")  # the model's, no draft vocabulary
+    fields = {"config": type("C", (), {"markov_rank": 0})(), "draft_token_ids": None}
+    drafter = type("D", (), fields | {name: getattr(mc.CarryoverDrafterModel, name) for name in helpers})()
     hidden = torch.tensor([[[[2.0, 0.0], [0.0, 1.0]]]])  # [S=1, N=1, c=2, d=2] -> logits [2,0,0] and [0,1,0]
     labels = torch.tensor([[[0, 2]]])
     valid = torch.tensor([[[True, True]]])

@@ -27,6 +27,7 @@ ARCHITECTURE_FIELDS = {
     "intermediate_size": "intermediate_size",
     "markov_rank": "markov_rank",
     "carryover_interface": "carryover_interface",
+    "draft_vocab_size": "draft_vocab_size",
 }
 
 
@@ -49,6 +50,13 @@ class DrafterArguments:
     markov_rank: int | None = field(default=None, metadata={"help": "> 0: the DSpark-style Markov head of this rank [0]."})
     carryover_interface: str | None = field(
         default=None, metadata={"help": "How carried rows are marked [embedding].", "choices": ["embedding", "none", "projector"]}
+    )
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "A draft vocabulary of this many tokens: the most frequent response (loss-mask) tokens of the "
+            "training rows, plus the target's EOS tokens [the full vocabulary]."
+        },
     )
     attn_implementation: str = field(
         default="eager",
@@ -88,18 +96,24 @@ def init_from_target(drafter: CarryoverDrafterModel, target) -> None:
     drafter.fc.weight[:, -d:] = torch.eye(d)
 
 
-def build_drafter(target, args: DrafterArguments) -> CarryoverDrafterModel:
-    """A drafter for `target`: new, or loaded from `drafter_checkpoint` (float32 master weights)."""
-    drafter = load_or_create_drafter(target, args)
+def build_drafter(target, args: DrafterArguments, rows: Dataset | None = None) -> CarryoverDrafterModel:
+    """A drafter for `target`: new, or loaded from `drafter_checkpoint` (float32 master weights). A new drafter with
+    a draft vocabulary takes its token map from the training `rows`."""
+    drafter = load_or_create_drafter(target, args, rows)
     drafter.set_attn_implementation(args.attn_implementation)  # not saved: checkpoints decode with the default
     return drafter
 
 
-def load_or_create_drafter(target, args: DrafterArguments) -> CarryoverDrafterModel:
+def load_or_create_drafter(target, args: DrafterArguments, rows: Dataset | None = None) -> CarryoverDrafterModel:
     if not args.drafter_checkpoint:
         drafter = CarryoverDrafterModel(CarryoverDrafterConfig.from_target_config(target.config, **args.overrides()))
         if args.init_from_target:
             init_from_target(drafter, target)
+        if args.draft_vocab_size:
+            if rows is None:
+                raise ValueError("A new drafter with a draft vocabulary needs the training rows to count tokens in.")
+            vocab = draft_vocab_from_rows(rows, args.draft_vocab_size, target.config.vocab_size, eos_token_ids(target))
+            drafter.set_draft_vocab(vocab)
         return drafter
     drafter = CarryoverDrafterModel.from_pretrained(args.drafter_checkpoint, dtype=torch.float32)
     drafter.check_target(target.config)
@@ -111,6 +125,34 @@ def load_or_create_drafter(target, args: DrafterArguments) -> CarryoverDrafterMo
             f"the arguments ask for {changed}. A checkpoint's architecture cannot change (only carryover_interface)."
         )
     return switch_carryover_interface(drafter, interface) if interface else drafter
+
+
+def eos_token_ids(target) -> list[int]:
+    """The target's end-of-sequence ids (config and generation config): a draft vocabulary always keeps them."""
+    ids = set()
+    for config in (target.config.get_text_config(), getattr(target, "generation_config", None)):
+        eos = getattr(config, "eos_token_id", None)
+        ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos} - {None}
+    return sorted(ids)
+
+
+def draft_vocab_from_rows(rows: Dataset, size: int, vocab_size: int, always: list[int] = ()) -> torch.LongTensor:
+    """FR-Spec's draft vocabulary: the `size` most frequent tokens under the rows' loss masks (ties: lower id first;
+    never-seen tokens fill up by id), with the `always` ids (EOS) first in line. -> sorted target ids [size]"""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft_vocab_size must be in 1..{vocab_size}, got {size}.")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in rows.select_columns(["input_ids", "loss_mask"]).iter(batch_size=256):
+        for ids, mask in zip(row["input_ids"], row["loss_mask"]):
+            ids, mask = torch.as_tensor(ids), torch.as_tensor(mask).bool()
+            counts += torch.bincount(ids[mask], minlength=vocab_size)
+    priority = counts.clone()
+    priority[list(always)] = counts.sum() + 1  # outranks every counted token
+    order = torch.argsort(priority, descending=True, stable=True)  # stable: equal counts keep increasing ids
+    chosen = order[:size].sort().values
+    seen = counts[chosen].sum() / counts.sum().clamp(min=1)
+    logger.info(f"Draft vocabulary: {size} of {vocab_size} tokens cover {seen:.2%} of the training response tokens.")
+    return chosen
 
 
 def switch_carryover_interface(drafter: CarryoverDrafterModel, interface: str) -> CarryoverDrafterModel:

@@ -134,17 +134,23 @@ def apply_lm_head(lm_head, hidden):
 
 def slot_terms(module, lm_head, hidden, labels, prev_token_ids, target_hidden):
     """Per-slot loss terms of a chunk of blocks, each [S, n, c]: cross-entropy and correctness, plus for the Markov
-    head the L1 distance to the target's distribution and the confidence BCE against clamp(1 - 0.5 L1, 0, 1)."""
-    logits = apply_lm_head(lm_head, hidden)  # [S, n, c, V]: the big tensor, recomputed in backward (block_losses)
+    head the L1 distance to the target's distribution and the confidence BCE against clamp(1 - 0.5 L1, 0, 1).
+
+    With a draft vocabulary the logits cover its tokens only: a label outside it gets CE 0 (`block_losses` gives it
+    no weight) and counts as not correct; the L1 runs over the full vocabulary with q = 0 outside the draft
+    vocabulary (the target's mass there counts in full), so 1 - 0.5 L1 stays the exact acceptance probability."""
+    logits = module.draft_logits(lm_head, hidden)  # [S, n, c, V']: the big tensor, recomputed in backward
     if module.config.markov_rank:
         logits = logits + module.markov_correction(prev_token_ids).float()
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
-    correct = (logits.argmax(-1) == labels).float()
+    draft_labels = module.to_draft_ids(labels)  # -1 outside the draft vocabulary
+    ce = F.cross_entropy(logits.flatten(0, 2), draft_labels.flatten(), reduction="none", ignore_index=-1)
+    ce = ce.view_as(labels)
+    correct = (module.to_target_ids(logits.argmax(-1)) == labels).float()
     if not module.config.markov_rank:
         return ce, correct
     with torch.no_grad():
         target_probs = apply_lm_head(lm_head, target_hidden).softmax(-1)
-    l1 = (logits.softmax(-1) - target_probs).abs().sum(-1)  # in [0, 2]
+    l1 = (module.full_vocab_logits(logits).softmax(-1) - target_probs).abs().sum(-1)  # in [0, 2]
     confidence_target = (1 - 0.5 * l1).clamp(0, 1).detach()
     confidence = module.confidence(hidden, prev_token_ids).float().clamp(1e-6, 1 - 1e-6)
     bce = F.binary_cross_entropy(confidence, confidence_target, reduction="none")
@@ -154,14 +160,17 @@ def slot_terms(module, lm_head, hidden, labels, prev_token_ids, target_hidden):
 def block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, target_hidden, settings: LossSettings):
     """The baseline objective of the drafter variant, position-weighted (w_k = exp(-(k-1)/gamma)) and normalised by
     the weights of the valid slots: DFlash = cross-entropy; Markov (DSpark) = 0.1 CE of the corrected logits + 0.9 L1
-    to the target's distribution + 1.0 confidence BCE.
+    to the target's distribution + 1.0 confidence BCE. With a draft vocabulary, slots whose label lies outside it
+    cannot be predicted: they get no weight in any term (`out_of_vocab_labels` logs their share of the valid labels)
+    and count as wrong in `accuracy`.
 
     hidden [S, N, c, d]; labels, label_valid, prev_token_ids [S, N, c]; target_hidden [S, N, c, d] (the target's final
     hidden state before each label, Markov only). Blocks go through the LM head `settings.chunk_size` at a time under
     activation checkpointing, so [S, N, c, V] logits never exist at once. Returns (loss, metrics dict).
     """
     module = drafter_module(drafter)
-    weights = position_weights(labels.shape[-1], settings.gamma, hidden.device) * label_valid  # [S, N, c]
+    learnable = label_valid & (module.to_draft_ids(labels) >= 0)  # [S, N, c]: inside the draft vocabulary, if any
+    weights = position_weights(labels.shape[-1], settings.gamma, hidden.device) * learnable  # [S, N, c]
     totals, num_correct = None, 0
     for part in chunks(labels.shape[1], settings.chunk_size):
         inputs = (hidden[:, part], labels[:, part], prev_token_ids[:, part], None if target_hidden is None else target_hidden[:, part])
@@ -174,6 +183,8 @@ def block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, 
         num_correct += (correct * label_valid[:, part]).sum().detach()
     ce, *markov = [t / weights.sum().clamp(min=1e-8) for t in totals]
     metrics = {"ce": ce.detach(), "accuracy": num_correct / label_valid.sum().clamp(min=1)}
+    if module.draft_token_ids is not None:
+        metrics["out_of_vocab_labels"] = (label_valid & ~learnable).sum() / label_valid.sum().clamp(min=1)
     if not markov:
         return ce, metrics
     l1, bce = markov
@@ -230,7 +241,7 @@ def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded,
         anchor_ids = torch.gather(batch.input_ids, 1, anchor_positions)
         drafts = torch.cat(  # the LM head a chunk of anchors at a time: [S, N, c, V] logits never exist at once
             [
-                module.greedy_drafts(apply_lm_head(lm_head, hidden[:, part]), anchor_ids[:, part])
+                module.greedy_drafts(module.draft_logits(lm_head, hidden[:, part]), anchor_ids[:, part])
                 for part in chunks(hidden.shape[1], chunk_size)
             ],
             dim=1,

@@ -88,7 +88,7 @@ def main(argv=None):
         rows, eval_rows = split["train"], split["test"]
 
     set_seed(training_args.seed)  # the same new drafter on every rank (FSDP shards each rank's own values)
-    drafter = build_drafter(target, drafter_args)
+    drafter = build_drafter(target, drafter_args, rows)
     trainer = CarryoverTrainer(
         model=drafter,
         args=training_args,
