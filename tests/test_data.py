@@ -314,7 +314,7 @@ def test_regenerate_bad_inputs_write_nothing(taught_target, tmp_path):
     assert not out.exists()
     (tmp_path / "other").mkdir()
     Dataset.from_dict({"x": [1]}).to_parquet(tmp_path / "other" / "shard-00000.parquet")
-    with pytest.raises(ValueError, match="holds shards but no regeneration.json"):
+    with pytest.raises(ValueError, match="holds shards but no regeneration.json: not a folder of this kind"):
         regenerate(taught_target, TOK, ["hello"], tmp_path / "other", progress=False)
     with pytest.raises(ValueError, match="not a regeneration output"):
         load_regenerated(tmp_path)

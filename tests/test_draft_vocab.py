@@ -13,12 +13,11 @@ from conftest import greedy_dataset, make_drafter, make_target, train_drafter
 from datasets import Dataset
 from safetensors.torch import load_file, save_file
 from test_checkpoint import run_fresh
-from test_training import _batch_of
+from test_training import assert_training_transition_reproduces_decoding
 
 import modeling_carryover as mc
 from hub.convert import export_dflash, export_speculators, export_transformers, import_drafter
 from trainer.build import DrafterArguments, build_drafter, draft_vocab_from_rows
-from trainer.objectives import draft_verify, drafter_hidden
 
 DRAFT_VOCAB = 40  # of the tiny target's 96 tokens: its greedy responses also use tokens outside
 _TRAINED = {}
@@ -117,25 +116,7 @@ def test_training_drafts_equal_decoding_drafts_with_a_draft_vocabulary(markov_ra
     """Train/serve parity: the training transition (detached draft, verification, carried rows) and the second pass
     draft on the draft vocabulary exactly what carryover decoding drafted in the next round."""
     target, drafter, dataset, _ = draft_vocab_drafter(markov_rank)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    checked = 0
-    for row in dataset.select(range(8)):
-        sequence = mc.generate(target, torch.tensor([row["input_ids"][:6]]), assistant_model=drafter, max_new_tokens=60)
-        rounds = drafter.generation_stats.rounds
-        batch, recorded = _batch_of(target, drafter, sequence)
-        for current, following in zip(rounds, rounds[1:]):
-            if current.carried or current.proposed != 7 or current.accepted == current.proposed:
-                continue
-            anchors, valid = torch.tensor([[current.anchor_position]]), torch.tensor([[True]])
-            transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=4)
-            assert transition.accepted_len.item() == current.accepted
-            with torch.no_grad():
-                hidden = drafter_hidden(drafter, embed, batch, transition.shifted_anchor_positions, valid, transition.carried)
-                logits = drafter.draft_logits(lm_head, hidden[0, 0, : following.proposed])
-                drafts = drafter.greedy_drafts(logits, sequence[0, following.anchor_position])
-            assert drafts.tolist() == following.drafts
-            checked += 1
-    assert checked >= 3
+    assert_training_transition_reproduces_decoding(target, drafter, dataset)
 
 
 def test_round_trip_in_a_fresh_process_keeps_the_token_map(tmp_path):

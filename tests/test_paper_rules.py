@@ -290,10 +290,8 @@ def test_rejected_round_statistics_on_synthetic_rounds():
     assert reconvergence_by_hand([29, 28, 50], [28, 29, None]) == 2
 
 
-def test_reconvergence_of_recorded_rounds_from_plain_target_forwards():
-    """For every rejected round of a real carryover generation: the verifier's top-1 along the rejected branch from a
-    plain target forward over [output up to the anchor ; the round's drafts], the eventually committed tokens from
-    the final output, and Eq. 3 by hand give the analysis's R and rejected count."""
+def recorded_carryover_generation():
+    """A tiny target, a carryover drafter (block 5) and the analysis's recording of 30 greedy tokens."""
     target = make_target("llama")
     drafter = carryover_drafter(target, block_size=5)
     prompt = torch.tensor([[4, 61, 23, 8, 90, 33]])
@@ -301,6 +299,14 @@ def test_reconvergence_of_recorded_rounds_from_plain_target_forwards():
         target, drafter, {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}, 30,
         drafter.feature_hidden_state_indices,
     )
+    return target, drafter, recording
+
+
+def test_reconvergence_of_recorded_rounds_from_plain_target_forwards():
+    """For every rejected round of a real carryover generation: the verifier's top-1 along the rejected branch from a
+    plain target forward over [output up to the anchor ; the round's drafts], the eventually committed tokens from
+    the final output, and Eq. 3 by hand give the analysis's R and rejected count."""
+    target, drafter, recording = recorded_carryover_generation()
     output = recording.sequence[0].tolist()
     expected = []
     for r in drafter.generation_stats.rounds:
@@ -355,13 +361,7 @@ def test_attention_shares_on_synthetic_probabilities():
 def test_attention_replay_puts_no_mass_on_absent_carried_rows():
     """In the ON replay of recorded rounds, a round without carried rows has a carried share of exactly 0 (masked
     keys) and the others a positive one; the shares of a round sum to 1."""
-    target = make_target("llama")
-    drafter = carryover_drafter(target, block_size=5)
-    prompt = torch.tensor([[4, 61, 23, 8, 90, 33]])
-    recording = analyze.record(
-        target, drafter, {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}, 30,
-        drafter.feature_hidden_state_indices,
-    )
+    target, drafter, recording = recorded_carryover_generation()
     carried = analyze.carried_rows(drafter, recording)
     shares = analyze.replay(target, drafter, recording, carried, attention=True, chunk_size=4).attention_shares
     num_rows = carried[2][0].sum(-1)

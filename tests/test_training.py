@@ -564,12 +564,10 @@ def test_chunked_loss_equals_one_pass(markov_rank):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("markov_rank", [0, 8])
-def test_draft_verify_draft_reproduces_two_decoding_rounds(markov_rank):
-    """Algorithm 2 against Algorithm 1 end to end: from a round that carried nothing (the first, or one after a full
-    acceptance), the training transition (detached draft, parallel verification, shifted anchor, rejected rows)
-    followed by the second drafter pass proposes exactly what carryover decoding proposed in the next round."""
-    target, drafter, dataset = trained_drafter("llama", 8, markov_rank)
+def assert_training_transition_reproduces_decoding(target, drafter, dataset):
+    """From every decoding round that carried nothing (the first, or one after a full acceptance) and was partly
+    rejected, the training transition (detached draft, parallel verification, shifted anchor, rejected rows) followed
+    by the second drafter pass proposes exactly what carryover decoding proposed in the next round."""
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     checked = 0
     for row in dataset.select(range(8)):
@@ -577,7 +575,7 @@ def test_draft_verify_draft_reproduces_two_decoding_rounds(markov_rank):
         rounds = drafter.generation_stats.rounds
         batch, recorded = _batch_of(target, drafter, sequence)
         for current, following in zip(rounds, rounds[1:]):
-            if current.carried or current.proposed != 7 or current.accepted == current.proposed:
+            if current.carried or current.proposed != drafter.config.block_size - 1 or current.accepted == current.proposed:
                 continue
             anchors, valid = torch.tensor([[current.anchor_position]]), torch.tensor([[True]])
             transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=4)
@@ -586,8 +584,15 @@ def test_draft_verify_draft_reproduces_two_decoding_rounds(markov_rank):
             assert transition.carried[2].sum().item() == following.carried
             with torch.no_grad():
                 hidden = drafter_hidden(drafter, embed, batch, transition.shifted_anchor_positions, valid, transition.carried)
-                anchor_id = sequence[0, following.anchor_position]
-                drafts = drafter.greedy_drafts(lm_head(hidden[0, 0, : following.proposed]), anchor_id)
+                logits = drafter.draft_logits(lm_head, hidden[0, 0, : following.proposed])
+                drafts = drafter.greedy_drafts(logits, sequence[0, following.anchor_position])
             assert drafts.tolist() == following.drafts
             checked += 1
     assert checked >= 3
+
+
+@pytest.mark.parametrize("markov_rank", [0, 8])
+def test_draft_verify_draft_reproduces_two_decoding_rounds(markov_rank):
+    """Algorithm 2 against Algorithm 1 end to end (`assert_training_transition_reproduces_decoding`)."""
+    target, drafter, dataset = trained_drafter("llama", 8, markov_rank)
+    assert_training_transition_reproduces_decoding(target, drafter, dataset)

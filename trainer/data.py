@@ -313,19 +313,20 @@ def _resume_view(manifest: dict) -> dict:
     return view
 
 
-def _check_resumable(output_dir: Path, manifest: dict) -> None:
-    """Raise unless `output_dir` is new or holds a run with the same prompts and settings."""
-    path = output_dir / MANIFEST
+def check_resumable(output_dir: Path, manifest: dict, manifest_file: str, shard_glob: str, resume_view) -> None:
+    """Raise unless `output_dir` is new or holds a run whose manifest agrees with `manifest` on `resume_view` (the
+    entries that must match): a resumed run never mixes two runs' shards."""
+    path = output_dir / manifest_file
     if not path.exists():
-        if any(output_dir.glob("shard-*.parquet")):
-            raise ValueError(f"{output_dir} holds shards but no {MANIFEST}: not a regeneration folder to resume")
+        if any(output_dir.glob(shard_glob)):
+            raise ValueError(f"{output_dir} holds shards but no {manifest_file}: not a folder of this kind to resume")
         return
-    recorded, wanted = _resume_view(json.loads(path.read_text())), _resume_view(manifest)
+    recorded, wanted = resume_view(json.loads(path.read_text())), resume_view(manifest)
     changed = sorted(key for key in recorded.keys() | wanted.keys() if recorded.get(key) != wanted.get(key))
     if changed:
         raise ValueError(
-            f"{output_dir} holds a regeneration with different {', '.join(changed)}: resuming would mix two datasets. "
-            f"Use a new output_dir, or the same prompts and settings as recorded in {path}."
+            f"{output_dir} holds a run with different {', '.join(changed)}: resuming would mix two runs. "
+            f"Use a new output_dir, or the inputs and settings recorded in {path}."
         )
 
 
@@ -453,7 +454,7 @@ def regenerate(
     }
     manifest = json.loads(json.dumps(manifest))  # compare as it reads back from disk (tuples -> lists)
     output_dir = Path(output_dir)
-    _check_resumable(output_dir, manifest)
+    check_resumable(output_dir, manifest, MANIFEST, "shard-*.parquet", _resume_view)
 
     shards = [prompts[start : start + shard_size] for start in range(0, len(prompts), shard_size)]
     todo = [k for k in range(len(shards)) if not _shard_path(output_dir, k).exists()]

@@ -37,7 +37,7 @@ from modeling_carryover.configuration_carryover import default_target_layer_ids
 from modeling_carryover.modeling_carryover import hidden_state_request, layer_outputs
 from trainer.build import FEATURE_INDEX, load_training_rows
 from trainer.cli import parse_arguments
-from trainer.data import _version, write_atomic
+from trainer.data import _version, check_resumable, write_atomic
 from trainer.targets import TargetArguments, load_target
 from trainer.verification import target_pass
 
@@ -100,21 +100,9 @@ def _target_identity(target, target_name) -> dict:
     }
 
 
-def _check_resumable(output_dir: Path, manifest: dict) -> None:
-    """Raise unless `output_dir` is new or holds an extraction of the same rows, target and settings."""
-    path = output_dir / FEATURES_MANIFEST
-    if not path.exists():
-        if any(output_dir.glob("features-*.safetensors")):
-            raise ValueError(f"{output_dir} holds feature shards but no {FEATURES_MANIFEST}: not a features folder to resume")
-        return
-    recorded = json.loads(path.read_text())
-    keys = (recorded.keys() | manifest.keys()) - set(NOT_RESUME_KEYS)
-    changed = sorted(k for k in keys if recorded.get(k) != manifest.get(k))
-    if changed:
-        raise ValueError(
-            f"{output_dir} holds features with different {', '.join(changed)}: resuming would mix two caches. "
-            f"Use a new output_dir, or the rows, target and settings recorded in {path}."
-        )
+def _resume_view(manifest: dict) -> dict:
+    """The manifest entries that must match for an extraction to resume."""
+    return {key: value for key, value in manifest.items() if key not in NOT_RESUME_KEYS}
 
 
 def _shard_features(target, rows: Dataset, layer_ids, dtype, batch_size, max_seq_length, bar) -> dict:
@@ -174,7 +162,7 @@ def extract_features(
         "versions": {p: _version(p) for p in ("carryover-drafting", "torch", "transformers", "safetensors")},
     }
     output_dir = Path(output_dir)
-    _check_resumable(output_dir, manifest)
+    check_resumable(output_dir, manifest, FEATURES_MANIFEST, "features-*.safetensors", _resume_view)
     output_dir.mkdir(parents=True, exist_ok=True)
     if not (output_dir / FEATURES_MANIFEST).exists():
         write_atomic(output_dir / FEATURES_MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2)))
