@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import Trainer
 
 from .features import FEATURE_INDEX, TargetFeatures
-from .objectives import LossSettings, default_gamma, training_step_loss
+from .objectives import LossSettings, default_gamma, training_layer_ids, training_step_loss
 from .verification import check_verification_support
 
 TRAINING_SETTINGS_FILE = "carryover_training.json"
@@ -129,7 +129,7 @@ class CarryoverTrainer(Trainer):
 
     def _check_features(self, features: TargetFeatures, target_model, config) -> None:
         features.check_target(target_model)
-        features.check_layers(config.target_layer_ids + ([config.num_target_layers - 1] if config.markov_rank else []))
+        features.check_layers(training_layer_ids(config))
         for name, dataset in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
             if dataset is not None and FEATURE_INDEX not in dataset.column_names:
                 raise ValueError(f"{name} has no {FEATURE_INDEX!r} column: pass the rows through target_features.attach.")

@@ -266,6 +266,12 @@ def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded,
     return Transition(accepted_len, verified_len, shifted, shifted_valid, carried)
 
 
+def training_layer_ids(config) -> list:
+    """The target layers a training step reads: the feature layers, and for the Markov objectives the target's final
+    (normed) hidden state, which is the last layer's output in HF."""
+    return config.target_layer_ids + ([config.num_target_layers - 1] if config.markov_rank else [])
+
+
 def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: LossSettings, carryover: bool, chunk_size=64):
     """Loss of one batch: baseline (blocks at random anchors) or carryover (draft-verify-draft, the loss of the second
     pass at the shifted anchors with the rejected rows carried). Returns (loss, metrics).
@@ -278,12 +284,10 @@ def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: Los
     input_ids, attention_mask, loss_mask = (batch_inputs[k] for k in ("input_ids", "attention_mask", "loss_mask"))
     markov = module.config.markov_rank > 0
     num_layers = module.config.num_target_layers
-    # the Markov objectives also need the target's final (normed) hidden state: the last layer's output in HF
-    layers = module.config.target_layer_ids + ([num_layers - 1] if markov else [])
     hidden_states = batch_inputs.get("target_hidden_states")  # read from a features cache (trainer.features), or None
     recorded = None
     if hidden_states is None or carryover:  # carryover verifies against the K/V cache of the recorded sequence
-        request = hidden_state_request(layers) if hidden_states is None else False
+        request = hidden_state_request(training_layer_ids(module.config)) if hidden_states is None else False
         with record_function("carryover.target_pass"):
             recorded = target_pass(target, input_ids, attention_mask, request, carryover)
         hidden_states = recorded.hidden_states if hidden_states is None else hidden_states
