@@ -20,6 +20,7 @@ from trainer.data import (
     deduplicate,
     load_prompts,
     load_regenerated,
+    python_code_prompts,
     regenerate,
     synthesize_prompts,
     template_turn,
@@ -197,6 +198,30 @@ def test_synthesize_prompts_keeps_closed_distinct_turns_and_is_seeded(taught_tar
     # With a cap shorter than any taught prompt no sample closes its turn.
     with pytest.raises(ValueError, match="None of 16 samples closed a user turn within max_new_tokens=3"):
         synthesize_prompts(taught_target, TOK, 4, batch_size=8, max_new_tokens=3, max_samples=16, progress=False)
+
+
+def test_python_code_prompts_are_distinct_documented_functions_and_seeded():
+    prompts = python_code_prompts(50, seed=0)
+    assert len(prompts) == 50 == len(set(prompts))
+    assert prompts == python_code_prompts(50, seed=0) != python_code_prompts(50, seed=1)
+    names = [p.split("`")[1].split("(")[0] for p in prompts]
+    assert len(set(names)) == 50 and not any(n.startswith("_") for n in names)  # one task per public name
+    assert not any("(self" in p or "(cls" in p for p in prompts)  # methods read as free functions
+    assert all("Python" in p and p.count("`") >= 2 for p in prompts)
+
+
+def test_mixed_prompt_sources_need_one_count_each_and_are_shuffled_together(tmp_path):
+    from trainer.regenerate import RegenerationArguments, mixed_prompts
+
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(6)))
+    args = RegenerationArguments(prompts=[str(tmp_path / "mine.jsonl"), "python-code"], num_prompts=[4, 5])
+    mixed = mixed_prompts(None, None, args)  # no target needed: neither source samples it
+    assert sorted(mixed) == sorted([f"question {i}" for i in range(4)] + python_code_prompts(5))
+    assert mixed[:4] != [f"question {i}" for i in range(4)] and mixed == mixed_prompts(None, None, args)
+    with pytest.raises(ValueError, match="gives 1 counts for 2 --prompts sources"):
+        mixed_prompts(None, None, RegenerationArguments(prompts=args.prompts, num_prompts=[4]))
+    with pytest.raises(ValueError, match="--prompts python-code needs its --num_prompts"):
+        mixed_prompts(None, None, RegenerationArguments(prompts=["python-code"]))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -283,3 +283,28 @@ def test_thread_setting_is_applied_and_checked():
         assert len(parsed) == len(ARGUMENT_CLASSES) and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_recipe_file_with_overriding_flags(tmp_path):
+    """A YAML recipe then flags: the flags win, lists and booleans parse, null keeps the default, unknown keys fail."""
+    import yaml
+
+    from trainer.cli import parse_arguments
+    from trainer.run import ARGUMENT_CLASSES
+
+    recipe = {"output_dir": "from-recipe", "target_layer_ids": [1, 8, 15], "block_size": 4, "carryover": True,
+              "learning_rate": 3e-4, "draft_vocab_size": None, "chat_template_kwargs": '{"enable_thinking": false}'}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    before = torch.get_num_threads()
+    try:
+        _, drafter, _, regeneration, carryover, training = parse_arguments(
+            ARGUMENT_CLASSES, [str(tmp_path / "recipe.yaml"), "--block_size", "8", "--output_dir", "from-flag"]
+        )
+    finally:
+        torch.set_num_threads(before)
+    assert drafter.target_layer_ids == [1, 8, 15] and drafter.block_size == 8 and drafter.draft_vocab_size is None
+    assert carryover.carryover is True and training.learning_rate == 3e-4 and training.output_dir == "from-flag"
+    assert json.loads(regeneration.chat_template_kwargs) == {"enable_thinking": False}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"output_dir": "x", "blok_size": 4}))
+    with pytest.raises(ValueError, match="blok_size"):
+        parse_arguments(ARGUMENT_CLASSES, [str(tmp_path / "bad.yaml")])

@@ -1,11 +1,13 @@
-"""Command-line arguments of the project's scripts: flags, or one JSON/YAML file with the same fields. Every script
-also takes `--threads` (torch's CPU threads), applied here before any model work."""
+"""Command-line arguments of the project's scripts: flags, or a JSON/YAML file with the same fields followed by flags
+that override it (a recipe and one run's changes). Every script also takes `--threads` (torch's CPU threads), applied
+here before any model work."""
 
-import os
+import json
 import sys
 from dataclasses import dataclass, field
 
 import torch
+import yaml
 from transformers import HfArgumentParser
 
 
@@ -19,18 +21,32 @@ class RuntimeArguments:
     )
 
 
+def config_file_flags(path: str) -> list[str]:
+    """The fields of a .json/.yaml/.yml file as flags: `key: value` -> `--key value`, lists -> `--key a b`, null: the
+    default."""
+    with open(path) as file:
+        config = json.load(file) if path.endswith(".json") else yaml.safe_load(file)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a mapping of argument names to values")
+    flags = []
+    for key, value in config.items():
+        if value is None:
+            continue  # the field's default
+        values = value if isinstance(value, list) else [value]
+        flags += [f"--{key}", *(json.dumps(v) if isinstance(v, (bool, dict)) else str(v) for v in values)]
+    return flags
+
+
 def parse_arguments(dataclass_types, argv: list[str] | None = None) -> tuple:
-    """Instances of `dataclass_types` from `argv` (default: sys.argv[1:]): flags, or a single .json/.yaml/.yml file.
-    The `--threads` setting is applied, not returned (read it back with `torch.get_num_threads()`)."""
+    """Instances of `dataclass_types` from `argv` (default: sys.argv[1:]): flags, optionally after one .json/.yaml/.yml
+    file whose fields they override. Unknown fields are an error. The `--threads` setting is applied, not returned
+    (read it back with `torch.get_num_threads()`)."""
     types = (*(dataclass_types if isinstance(dataclass_types, (list, tuple)) else [dataclass_types]), RuntimeArguments)
     parser = HfArgumentParser(types)
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        *parsed, runtime = parser.parse_json_file(os.path.abspath(argv[0]))
-    elif len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
-        *parsed, runtime = parser.parse_yaml_file(os.path.abspath(argv[0]))
-    else:
-        *parsed, runtime = parser.parse_args_into_dataclasses(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].endswith((".json", ".yaml", ".yml")):
+        argv = config_file_flags(argv[0]) + argv[1:]  # argparse keeps the last value given: the flags win
+    *parsed, runtime = parser.parse_args_into_dataclasses(argv)
     if runtime.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {runtime.threads}")
     torch.set_num_threads(runtime.threads)

@@ -6,6 +6,8 @@ are on-policy: the drafter learns the very distribution it will be asked to pred
 
 - `load_prompts`: user prompts from a JSONL/Parquet/CSV file, a `save_to_disk` folder or a Hub dataset id.
 - `synthesize_prompts`: Magpie-style prompts sampled from the target itself (nothing to download).
+- `python_code_prompts`: coding tasks written from the documented functions of Python's own standard library
+  (nothing to download, no target compute).
 - `regenerate` / `load_regenerated`: the target's responses, written in resumable shards with their provenance.
 - `tokenize_conversations`: loss masks for existing conversations (template generation markers or token prefixes).
 
@@ -13,13 +15,16 @@ Chat-message prompts use the FIRST user turn only: the whole regenerated convers
 no off-policy assistant turns from the source dataset in its context.
 """
 
+import ast
 import hashlib
 import importlib.metadata
 import json
 import logging
 import math
 import os
+import random
 import re
+import sysconfig
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
@@ -278,6 +283,55 @@ def synthesize_prompts(
     if len(prompts) < num_prompts:
         logger.warning("Magpie: %d distinct prompts from %d samples (%d asked for)", len(prompts), drawn, num_prompts)
     return prompts
+
+
+# Packages of the standard library that are tests, demos or vendored code rather than documented library functions.
+_STDLIB_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "__pycache__"}
+_CODE_TASKS = (
+    "Write a Python function `{name}({args})`. {doc}",
+    "Implement `{name}({args})` in Python. {doc} Explain your code briefly.",
+    "{doc} Write this as a Python function named `{name}` with the signature `{name}({args})`.",
+)
+
+
+def _documented_functions(path: Path):
+    """(name, signature arguments, first docstring paragraph) of each public function or method in one file."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+            continue
+        doc = " ".join((ast.get_docstring(node) or "").split("\n\n")[0].split())
+        if not 20 <= len(doc) <= 400:
+            continue
+        arguments = node.args.posonlyargs or node.args.args
+        if arguments and arguments[0].arg in ("self", "cls"):
+            arguments.pop(0)  # a method becomes a free function: the task then stands without its class
+        yield node.name, ast.unparse(node.args), doc if doc.endswith(".") else doc + "."
+
+
+def python_code_prompts(num_prompts: int, seed: int = 0) -> list:
+    """Coding tasks made from the documented public functions of Python's standard library on this machine.
+
+    Each task names a function, its signature and the first paragraph of its docstring, in one of a few phrasings; a
+    name is used once. Which functions are drawn depends only on `seed` and the Python version. They give the
+    drafter a good share of code to learn from without downloading a dataset or sampling the target.
+    """
+    root = Path(sysconfig.get_path("stdlib"))
+    files = [p for p in sorted(root.rglob("*.py")) if not _STDLIB_SKIP.intersection(p.relative_to(root).parts)]
+    functions, seen = [], set()
+    for path in files:
+        for name, args, doc in _documented_functions(path):
+            if name not in seen:
+                seen.add(name)
+                functions.append((name, args, doc))
+    rng = random.Random(seed)
+    rng.shuffle(functions)
+    if len(functions) < num_prompts:
+        logger.warning("python-code: %d documented functions found (%d asked for)", len(functions), num_prompts)
+    return [rng.choice(_CODE_TASKS).format(name=n, args=a, doc=d) for n, a, d in functions[:num_prompts]]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -4,29 +4,38 @@
     python -m trainer.regenerate --data_dir data/qwen3-ultrachat --target Qwen/Qwen3-4B \\
         --prompts HuggingFaceH4/ultrachat_200k --prompt_split train_sft --num_prompts 50000 --max_new_tokens 2048
 
-`--prompts` is a JSONL/Parquet/CSV file, a `save_to_disk` folder, a Hub dataset id, or `magpie` (prompts sampled
-from the target, kept in the data folder). Running the same command again resumes an interrupted run. The same
-arguments are accepted by `trainer/run.py`, which regenerates first and then trains.
+`--prompts` is a JSONL/Parquet/CSV file, a `save_to_disk` folder, a Hub dataset id, `magpie` (prompts sampled
+from the target, kept in the data folder) or `python-code` (coding tasks from the standard library's documented
+functions). Several sources mix, one `--num_prompts` each, shuffled together so every shard holds all of them:
+
+    python -m trainer.regenerate --data_dir data/smollm2-mix --prompts python-code magpie --num_prompts 2500 1500
+
+Running the same command again resumes an interrupted run. The same arguments are accepted by `trainer/run.py`,
+which regenerates first and then trains.
 """
 
 import json
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.cli import parse_arguments
-from trainer.data import load_prompts, regenerate, synthesize_prompts, write_atomic
+from trainer.data import load_prompts, python_code_prompts, regenerate, synthesize_prompts, write_atomic
 from trainer.targets import EMBEDDED_TARGET, TargetArguments, load_target
 
 
 @dataclass
 class RegenerationArguments:
-    prompts: str | None = field(
-        default=None, metadata={"help": "JSONL/Parquet/CSV file, save_to_disk folder, Hub dataset id, or 'magpie'."}
+    prompts: list[str] | None = field(
+        default=None,
+        metadata={"help": "Sources: JSONL/Parquet/CSV file, save_to_disk folder, Hub dataset id, 'magpie', 'python-code'."},
     )
     data_dir: str = field(default="data/regenerated", metadata={"help": "Where the regenerated shards go (resumable)."})
     prompt_split: str = field(default="train")
     prompt_column: str | None = field(default=None, metadata={"help": "Prompt or chat-messages column (default: auto)."})
-    num_prompts: int | None = field(default=None, metadata={"help": "First N prompts (magpie: how many to make)."})
+    num_prompts: list[int] | None = field(
+        default=None, metadata={"help": "One per source: its first N prompts (magpie, python-code: how many to make)."}
+    )
     magpie_max_new_tokens: int = field(default=128, metadata={"help": "Length cap of a synthesised user turn."})
     shard_size: int = field(default=256)
     generation_batch_size: int = field(default=16)
@@ -40,14 +49,14 @@ class RegenerationArguments:
     chat_template_kwargs: str = field(default="{}", metadata={"help": 'JSON, e.g. {"enable_thinking": false}'})
 
 
-def magpie_prompts(target, tokenizer, args: RegenerationArguments) -> list:
+def magpie_prompts(target, tokenizer, args: RegenerationArguments, num_prompts: int) -> list:
     """Synthesised once and kept next to the data: sampling is costly, and a resumed run must see the same list."""
-    path = Path(args.data_dir) / f"magpie-n{args.num_prompts}-seed{args.generation_seed}.jsonl"
+    path = Path(args.data_dir) / f"magpie-n{num_prompts}-seed{args.generation_seed}.jsonl"
     if not path.exists():
         prompts = synthesize_prompts(
             target,
             tokenizer,
-            args.num_prompts,
+            num_prompts,
             batch_size=args.generation_batch_size,
             max_new_tokens=args.magpie_max_new_tokens,
             seed=args.generation_seed,
@@ -58,14 +67,30 @@ def magpie_prompts(target, tokenizer, args: RegenerationArguments) -> list:
     return load_prompts(path)
 
 
+def source_prompts(target, tokenizer, args: RegenerationArguments, source: str, num_prompts: int | None) -> list:
+    if source in ("magpie", "python-code") and not num_prompts:
+        raise ValueError(f"--prompts {source} needs its --num_prompts")
+    if source == "magpie":
+        return magpie_prompts(target, tokenizer, args, num_prompts)
+    if source == "python-code":
+        return python_code_prompts(num_prompts, seed=args.generation_seed)
+    return load_prompts(source, split=args.prompt_split, column=args.prompt_column, limit=num_prompts)
+
+
+def mixed_prompts(target, tokenizer, args: RegenerationArguments) -> list:
+    """The prompts of every source; several sources are shuffled together (seeded) so each shard mixes them."""
+    counts = args.num_prompts or [None] * len(args.prompts)
+    if len(counts) != len(args.prompts):
+        raise ValueError(f"--num_prompts gives {len(counts)} counts for {len(args.prompts)} --prompts sources: give one each")
+    prompts = [p for source, n in zip(args.prompts, counts) for p in source_prompts(target, tokenizer, args, source, n)]
+    if len(args.prompts) > 1:
+        random.Random(args.generation_seed).shuffle(prompts)
+    return prompts
+
+
 def regenerate_from_args(target, tokenizer, args: RegenerationArguments, target_name: str | None):
     """Prompts -> the target's responses in `args.data_dir` (resuming whatever is there) -> the dataset."""
-    if args.prompts == "magpie":
-        if not args.num_prompts:
-            raise ValueError("--prompts magpie needs --num_prompts")
-        prompts = magpie_prompts(target, tokenizer, args)
-    else:
-        prompts = load_prompts(args.prompts, split=args.prompt_split, column=args.prompt_column, limit=args.num_prompts)
+    prompts = mixed_prompts(target, tokenizer, args)
     return regenerate(
         target,
         tokenizer,
@@ -88,7 +113,7 @@ def regenerate_from_args(target, tokenizer, args: RegenerationArguments, target_
 def main(argv=None):
     target_args, args = parse_arguments((TargetArguments, RegenerationArguments), argv)
     if not args.prompts:
-        raise SystemExit("--prompts is required: a file, a save_to_disk folder, a Hub dataset id, or 'magpie'")
+        raise SystemExit("--prompts is required: a file, a save_to_disk folder, a Hub dataset id, 'magpie' or 'python-code'")
     target, tokenizer = load_target(target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype)
     data = regenerate_from_args(target, tokenizer, args, target_args.target)
     response_tokens = sum(sum(mask) for mask in data["loss_mask"])
