@@ -11,7 +11,7 @@ output is compared with the plain greedy output (losslessness: `mismatches` must
 with `seed + prompt index`, so that a run is reproducible.
 
 Outputs in `output_dir`:
-  <drafter>/T<temperature>/acceptance.csv   speculators schema, one row per subset (K = block_size - 1):
+  <drafter>/T<temperature>/acceptance.csv   speculators schema, one row per subset (K = drafts per round):
       subset, num_drafts, num_draft_tokens, num_accepted_tokens, acceptance_length, acceptance_at_pos_0..K-1
   performance.csv   subset, temperature, drafter, prompts, generated_tokens, seconds, tokens_per_second, speedup,
                     mismatches, rounds, t_draft, t_verify (mean seconds per round); subset "all" = micro-average
@@ -68,6 +68,9 @@ class EvalArguments:
     output_dir: str = field(default="outputs/eval")
     device: str | None = field(default=None, metadata={"help": "Default: cuda if available, else cpu."})
     dtype: str = field(default="float32", metadata={"help": "Target and drafter dtype (float32, bfloat16, float16)."})
+    num_assistant_tokens: int | None = field(
+        default=None, metadata={"help": "Drafts the target verifies per round (at most block_size - 1, the default)."}
+    )
 
 
 @dataclass
@@ -141,7 +144,7 @@ class Tally:
 
 
 @torch.no_grad()
-def decode(target, inputs, drafter, carryover, temperature, max_new_tokens, seed):
+def decode(target, inputs, drafter, carryover, temperature, max_new_tokens, seed, num_assistant_tokens=None):
     """One timed generation -> (new token ids, seconds, the drafter's rounds; none for plain decoding)."""
     torch.manual_seed(seed)
     # T>0 is pure sampling (no top-k/top-p), as in the paper; transformers' default top_k=50 is switched off.
@@ -152,7 +155,9 @@ def decode(target, inputs, drafter, carryover, temperature, max_new_tokens, seed
     if drafter is None:
         output = target.generate(**kwargs)
     else:
-        output = carryover_generate(target, assistant_model=drafter, carryover=carryover, **kwargs)
+        output = carryover_generate(
+            target, assistant_model=drafter, carryover=carryover, num_assistant_tokens=num_assistant_tokens, **kwargs
+        )
     _synchronize(target.device)
     seconds = time.perf_counter() - started
     rounds = [] if drafter is None else list(drafter.generation_stats.rounds)
@@ -168,7 +173,8 @@ def measure(target, tokenizer, drafters, benchmark, args) -> dict:
         inputs = encode_prompt(tokenizer, prompt).to(target.device)
         for method in tqdm(methods * args.warmup, desc="warmup", leave=False):
             drafter, carryover = drafters.get(method, (None, None))
-            decode(target, inputs, drafter, carryover, args.temperatures[0], min(args.max_new_tokens, 32), args.seed)
+            decode(target, inputs, drafter, carryover, args.temperatures[0], min(args.max_new_tokens, 32), args.seed,
+                   args.num_assistant_tokens)
 
     for subset, prompts in benchmark.items():
         for temperature in args.temperatures:
@@ -181,7 +187,8 @@ def measure(target, tokenizer, drafters, benchmark, args) -> dict:
                 for method in methods[index % len(methods) :] + methods[: index % len(methods)]:
                     drafter, carryover = drafters.get(method, (None, None))
                     tokens, seconds, rounds = decode(
-                        target, inputs, drafter, carryover, temperature, args.max_new_tokens, args.seed + index
+                        target, inputs, drafter, carryover, temperature, args.max_new_tokens, args.seed + index,
+                        args.num_assistant_tokens,
                     )
                     tally = tallies[method, subset, temperature]
                     tally.prompts += 1
@@ -206,6 +213,11 @@ def measure(target, tokenizer, drafters, benchmark, args) -> dict:
 def tau(rounds) -> float:
     """Acceptance length: tokens per round, bonus token included, micro-averaged over rounds."""
     return GenerationStats(rounds).acceptance_length
+
+
+def drafts_per_round(drafter, args) -> int:
+    """K: the drafts a round proposes (fewer only where the length cap cuts the last round)."""
+    return min(drafter.config.block_size - 1, args.num_assistant_tokens or drafter.config.block_size)
 
 
 def acceptance(rounds, num_positions: int) -> dict:
@@ -258,6 +270,7 @@ def summarize(tallies, drafters, args) -> list[dict]:
                     "carryover": carryover,
                     "path": drafter.name_or_path,
                     "block_size": drafter.config.block_size,
+                    "drafts_per_round": drafts_per_round(drafter, args),
                     "subset": subset,
                     "temperature": temperature,
                     "num_prompts": tally.prompts,
@@ -266,7 +279,7 @@ def summarize(tallies, drafters, args) -> list[dict]:
                     "tokens_per_second": speed,
                     "speedup": speed / plain_speed,
                     "mismatches": tally.mismatches if temperature == 0 else None,
-                    **acceptance(tally.rounds, drafter.config.block_size - 1),
+                    **acceptance(tally.rounds, drafts_per_round(drafter, args)),
                     "t_draft": mean(r.draft_seconds for r in tally.rounds),
                     "t_verify": mean(r.verify_seconds for r in tally.rounds),
                     "t_ar": rows[PLAIN]["t_ar"],

@@ -14,7 +14,7 @@ Each round (batch size 1, like all assisted generation in transformers):
   1. the target's last verification forward returned hidden states for the window `[anchor, draft_1 .. draft_c]`;
   2. the anchor and the accepted drafts become committed drafter context (their keys/values are cached);
   3. with carryover, the rejected drafts' rows (+ E_carry) become read-only context for the next proposal only;
-  4. the drafter proposes up to `block_size - 1` tokens for the block `[new anchor, MASK ...]`;
+  4. the drafter proposes up to `block_size - 1` tokens (or `num_assistant_tokens`) for the block `[new anchor, MASK ...]`;
   5. transformers verifies them (greedy match or exact speculative sampling) and crops its own cache.
 """
 
@@ -92,7 +92,13 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         if input_ids is not None and input_ids.shape[1] == 0:
             raise ValueError("The prompt is empty: carryover decoding needs at least one input token.")
         self.drafter = drafter
-        self.block_size = drafter.config.block_size
+        # Drafts per round: the block's block_size - 1 slots, or fewer with `num_assistant_tokens` (vLLM's
+        # num_speculative_tokens): the drafter still fills its whole block, the target verifies only the first ones.
+        # Where verifying costs more per token than drafting (a CPU), fewer can be faster at the same block size.
+        num_assistant_tokens = generation_config.num_assistant_tokens
+        if num_assistant_tokens is not None and num_assistant_tokens < 1:
+            raise ValueError(f"num_assistant_tokens (drafts per round) must be at least 1, got {num_assistant_tokens}.")
+        self.max_drafts = min(drafter.config.block_size - 1, num_assistant_tokens or drafter.config.block_size)
         self.carryover = drafter.config.carryover if carryover is None else bool(carryover)
         self.use_markov = drafter.config.markov_rank > 0
         self.embed_tokens = target.get_input_embeddings()
@@ -190,7 +196,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
             return input_ids, None
         started = time.perf_counter()
         self._absorb_verification(input_ids, model_outputs)
-        num_drafts = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)  # leave room for the bonus
+        num_drafts = min(self.max_drafts, self.max_length - input_ids.shape[1] - 1)  # leave room for the bonus
         if num_drafts <= 0:
             return input_ids, None
         candidates, candidate_logits = self._propose(input_ids, num_drafts)

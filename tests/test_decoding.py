@@ -45,6 +45,23 @@ def test_greedy_output_equals_target_greedy(kind, block_size, markov_rank):
         assert sum(r.accepted + 1 for r in rounds) / len(rounds) > 1.5
 
 
+def test_fewer_drafts_per_round_than_the_block_stay_lossless():
+    """`num_assistant_tokens` caps the drafts the target verifies per round (the block is still filled): every round
+    proposes at most that many, output equals plain greedy, and carried rows are only the verified rejected drafts."""
+    target, drafter, dataset = trained_drafter("llama", 8, 0)
+    for num_drafts in (1, 3):
+        rounds = []
+        for prompt in prompts_for(dataset, target):
+            expected = target.generate(prompt, max_new_tokens=40, do_sample=False)
+            out = mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False, num_assistant_tokens=num_drafts)
+            assert torch.equal(out, expected), num_drafts
+            rounds += drafter.generation_stats.rounds
+        assert max(r.proposed for r in rounds) == num_drafts and all(r.carried <= num_drafts for r in rounds)
+        assert any(r.accepted == num_drafts for r in rounds) and any(r.carried > 0 for r in rounds)
+    with pytest.raises(ValueError, match="num_assistant_tokens .drafts per round. must be at least 1, got 0"):
+        mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=4, num_assistant_tokens=0)
+
+
 @pytest.mark.parametrize("carryover", [True, False])
 def test_eos_inside_a_block(carryover):
     target, drafter, dataset = trained_drafter("llama", 8, 0)

@@ -285,7 +285,8 @@ def test_markdown_table_has_paper_layout(evaluation_run):
 
 
 def test_run_cli_with_yaml_config(workspace, tmp_path):
-    """A real subprocess: `python evaluation/run.py config.yaml`, one temperature, one drafter (no baseline)."""
+    """A real subprocess: `python evaluation/run.py config.yaml`, one temperature, one drafter (no baseline), two
+    drafts per round (`num_assistant_tokens`)."""
     config = {
         "target": str(workspace / "target"),
         "drafters": [f"carryover={workspace / 'carryover'}"],
@@ -296,6 +297,7 @@ def test_run_cli_with_yaml_config(workspace, tmp_path):
         "warmup": 0,
         "device": "cpu",
         "output_dir": str(tmp_path / "out"),
+        "num_assistant_tokens": 2,
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -307,6 +309,9 @@ def test_run_cli_with_yaml_config(workspace, tmp_path):
         ("plain", "beta"), ("plain", "all"), ("carryover", "beta"), ("carryover", "all")}
     assert "| beta |" in (tmp_path / "out" / "table.md").read_text()
     assert (tmp_path / "out" / "latency.png").is_file()
+    speculative = [r for r in report["results"] if r["drafter"] == "carryover"]
+    assert all(r["drafts_per_round"] == 2 and len(r["acceptance_at_pos"]) == 2 for r in speculative)
+    assert all(r["mismatches"] == 0 and 1 <= r["acceptance_length"] <= 3 for r in speculative)
 
 
 def test_drafter_for_another_target_is_rejected(workspace, tmp_path):
