@@ -86,6 +86,11 @@ class PublishArguments:
     )
     eval_report: str | None = field(default=None, metadata={"help": "Evaluation report.json to tabulate in the card."})
     license: str = field(default="apache-2.0", metadata={"help": "License id for the card metadata."})
+    dtype: str | None = field(
+        default=None,
+        metadata={"help": "Save the weights in this dtype (bfloat16: half a float32 checkpoint) [as stored].",
+                  "choices": ["float32", "bfloat16", "float16"]},
+    )
     revision: str | None = field(default=None, metadata={"help": "Branch to commit to, created if needed."})
     private: bool = field(default=False, metadata={"help": "Create the repo as private."})
     token: str | None = field(default=None, metadata={"help": "Hub token; None means HF_TOKEN, else the cached login."})
@@ -121,6 +126,8 @@ def build_repo_folder(args: PublishArguments) -> Path:
         args.repo_id, args.base_model, drafter.config.to_dict(), training_arguments, report, args.license, args.revision
     )
 
+    if args.dtype:
+        drafter = drafter.to(getattr(torch, args.dtype))  # floating weights only: the draft token map stays int64
     shutil.rmtree(folder, ignore_errors=True)
     drafter.save_pretrained(folder)
     card.save(folder / "README.md")

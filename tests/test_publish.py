@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import ModelCard
+from safetensors import safe_open
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
@@ -179,6 +180,16 @@ def test_dry_run_builds_and_validates_the_folder(dry_run):
     assert ModelCard.load(folder / "README.md").data.base_model == BASE_MODEL
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModel"] == "modeling_carryover.CarryoverDrafterModel"
+
+
+def test_dry_run_saves_bf16_weights_that_decode_losslessly(workdir, checkpoint_dir, target_dir):
+    """--dtype bfloat16 (the shipped drafters): half the float32 weights, and the fresh-process lossless check passes."""
+    done = run_publish(workdir, workdir / "dry-bf16", "--dry_run", "--dtype", "bfloat16", "--target", str(target_dir))
+    assert done.returncode == 0, done.stderr
+    assert "identical to the target's greedy output" in done.stdout
+    with safe_open(workdir / "dry-bf16" / "model.safetensors", "pt") as weights:
+        dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}
+    assert dtypes == {"BF16"}
 
 
 def test_project_imports_are_blocked_in_the_fresh_process():

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The full reproduction of the shipped SmolLM2 drafters (hub/embedded/smollm2-135m-instruct): regenerate the data,
+# extract the target's features once, train the baseline, continue it with carryover and (the fair control) without
+# for the same number of steps, then evaluate. Every stage resumes after an interruption (run the script again) and
+# is skipped when its output exists.
+#   VARIANT=dflash (default) | markov    the recipe file trainer/configs/smollm2_$VARIANT.yaml
+#   THREADS=N                            torch threads of every step (default 2: the machine's 2 cores, idle)
+#   CONTINUE_STEPS=N                     steps of the carryover and control continuations (default 120)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+VARIANT=${VARIANT:-dflash}
+THREADS=${THREADS:-2}
+CONTINUE_STEPS=${CONTINUE_STEPS:-120}
+RECIPE=trainer/configs/smollm2_$VARIANT.yaml
+SHIPPED=hub/embedded/smollm2-135m-instruct
+DATA=data/smollm2-mix
+FEATURES=data/smollm2-mix-features
+OUT=runs/smollm2-$VARIANT
+[ -f "$RECIPE" ] || { echo "VARIANT must be dflash or markov (no $RECIPE)" >&2; exit 2; }
+
+# 1. Data: the shipped responses if the checkout has them (nobody regenerates them twice), else regenerate.
+if [ ! -f "$DATA/regeneration.json" ] && [ -f "$SHIPPED/data/regeneration.json" ]; then
+  mkdir -p "$DATA" && cp "$SHIPPED"/data/*.parquet "$SHIPPED"/data/*.json* "$DATA"/
+fi
+python -m trainer.regenerate --data_dir "$DATA" --prompts python-code magpie --num_prompts 2000 1000 \
+  --magpie_max_new_tokens 64 --max_new_tokens 256 --generation_batch_size 128 --shard_size 256 \
+  --target_dtype bfloat16 --threads "$THREADS"
+
+# 2. The target's feature layers of every row (and its last layer, which the Markov objectives read), once.
+python -m trainer.features --dataset "$DATA" --output_dir "$FEATURES" --target_layer_ids 1 8 15 22 27 \
+  --final_hidden true --max_seq_length 512 --batch_size 8 --target_dtype bfloat16 --threads "$THREADS"
+
+train() {  # output_dir, extra flags...; resumes from the last checkpoint of an interrupted run
+  local out=$1; shift
+  [ -f "$out/model.safetensors" ] && return 0
+  local resume=()
+  ls -d "$out"/checkpoint-* >/dev/null 2>&1 && resume=(--resume_from_checkpoint latest)
+  python trainer/run.py "$RECIPE" --dataset "$DATA" --features "$FEATURES" \
+    --output_dir "$out" --threads "$THREADS" "${resume[@]}" "$@"
+}
+# 3. The baseline (the recipe file), then 4. its two continuations of equal length: with carryover (the two-pass
+# draft-verify-draft objective) and without (the control), from the same weights and the same data order.
+train "$OUT/baseline"
+continuation=(--drafter_checkpoint "$OUT/baseline" --max_steps "$CONTINUE_STEPS" --warmup_steps 0 --learning_rate 3e-4)
+train "$OUT/carryover" "${continuation[@]}" --carryover true
+train "$OUT/control" "${continuation[@]}"
+
+# 5. Evaluation: plain greedy against every drafter, HumanEval and MT-Bench, T=0 and T=1.
+python evaluation/run.py --drafters baseline="$OUT/baseline" carryover="$OUT/carryover" \
+  carryover-off="$OUT/carryover:off" control="$OUT/control" --benchmark embedded --temperatures 0 1 \
+  --max_new_tokens 256 --output_dir "$OUT/eval" --threads "$THREADS"
+cat "$OUT/eval/table.md"
