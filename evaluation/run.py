@@ -16,7 +16,8 @@ Outputs in `output_dir`:
   performance.csv   subset, temperature, drafter, prompts, generated_tokens, seconds, tokens_per_second, speedup,
                     mismatches, rounds, t_draft, t_verify (mean seconds per round); subset "all" = micro-average
   report.json       {"results": [...], "provenance": {...}}
-  table.md          Table 1 layout: tau and speedup per subset and temperature, gains vs `baseline_name`
+  table.md          Table 1 layout: tau and speedup per subset and temperature, gains vs `baseline_name` (tau gains
+                    with a 95% paired bootstrap interval over prompts; also `tau_gain_ci95` in report.json)
   tau.png, acceptance_by_position.png, latency.png
 """
 
@@ -132,6 +133,7 @@ class Tally:
     seconds: float = 0.0
     mismatches: int = 0
     rounds: list = field(default_factory=list)  # DraftRound of every generate call
+    per_prompt: list = field(default_factory=list)  # (tokens per round summed, rounds) of each prompt, in order
 
     def merge(self, other: "Tally") -> "Tally":
         return Tally(
@@ -140,6 +142,7 @@ class Tally:
             self.seconds + other.seconds,
             self.mismatches + other.mismatches,
             self.rounds + other.rounds,
+            self.per_prompt + other.per_prompt,
         )
 
 
@@ -195,6 +198,7 @@ def measure(target, tokenizer, drafters, benchmark, args) -> dict:
                     tally.tokens += len(tokens)
                     tally.seconds += seconds
                     tally.rounds += rounds
+                    tally.per_prompt.append((sum(r.accepted + 1 for r in rounds), len(rounds)))
                     outputs[method] = tokens
                 if temperature == 0:  # lossless: speculative greedy output == plain greedy output
                     for name in drafters:
@@ -233,6 +237,22 @@ def acceptance(rounds, num_positions: int) -> dict:
         "acceptance_length": 1 + accepted / num_drafts if num_drafts else float("nan"),
         "acceptance_at_pos": at_pos,
     }
+
+
+def tau_gain_ci(per_prompt, reference_per_prompt, resamples: int = 2000, seed: int = 0) -> list[float]:
+    """95% bootstrap interval of tau(method) / tau(reference) - 1 over prompts: both methods ran the same prompts, so
+    each resample draws prompt indices once and takes both methods' rounds on them (a paired bootstrap); tau is the
+    micro-average over the drawn prompts' rounds, as in the table."""
+    if len(per_prompt) != len(reference_per_prompt) or len(per_prompt) < 2:
+        return [float("nan"), float("nan")]
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.tensor(per_prompt, dtype=torch.float64)  # [P, 2]: tokens per round summed, rounds
+    reference = torch.tensor(reference_per_prompt, dtype=torch.float64)
+    draws = torch.randint(0, len(per_prompt), (resamples, len(per_prompt)), generator=generator)  # [R, P]
+    method, base = counts[draws].sum(1), reference[draws].sum(1)  # [R, 2]
+    gains = (method[:, 0] / method[:, 1]) / (base[:, 0] / base[:, 1]) - 1
+    low, high = torch.quantile(gains, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return [low, high]
 
 
 def mean(values) -> float:
@@ -286,6 +306,10 @@ def summarize(tallies, drafters, args) -> list[dict]:
                 }
             for name in drafters:
                 add_latency_model(rows[name], rows, drafters)
+                if args.baseline_name in drafters and name != args.baseline_name:
+                    reference = tallies[args.baseline_name, subset, temperature]
+                    rows[name]["tau_gain"] = rows[name]["acceptance_length"] / rows[args.baseline_name]["acceptance_length"] - 1
+                    rows[name]["tau_gain_ci95"] = tau_gain_ci(tallies[name, subset, temperature].per_prompt, reference.per_prompt)
             results += rows.values()
     return results
 
@@ -340,13 +364,16 @@ def write_performance_csv(results, path: Path):
             writer.writerow(["" if row.get(key) is None else row[key] for _, key in PERFORMANCE_COLUMNS])
 
 
-def gain(value, reference) -> str:
-    return f" ({100 * (value / reference - 1):+.1f}%)" if reference else ""
+def gain(value, reference, interval=None) -> str:
+    if not reference:
+        return ""
+    bounds = f" [{100 * interval[0]:+.1f}, {100 * interval[1]:+.1f}]" if interval and math.isfinite(interval[0]) else ""
+    return f" ({100 * (value / reference - 1):+.1f}%{bounds})"
 
 
 def markdown_table(results, drafter_names, baseline_name) -> str:
     """Table 1's layout: rows = subsets (+ All), per temperature tau and speedup of each drafter, the non-baseline
-    ones with their relative gain over `baseline_name` when it was run."""
+    ones with their relative gain over `baseline_name` when it was run (tau: with its 95% bootstrap interval)."""
     temperatures = list(dict.fromkeys(row["temperature"] for row in results))
     subsets = list(dict.fromkeys(row["subset"] for row in results))
     by_key = {(row["drafter"], row["subset"], row["temperature"]): row for row in results}
@@ -361,9 +388,10 @@ def markdown_table(results, drafter_names, baseline_name) -> str:
             for metric, unit in (("acceptance_length", ""), ("speedup", "×")):
                 base = by_key.get((baseline_name, subset, temperature))
                 for name in drafter_names:
-                    value = by_key[name, subset, temperature][metric]
+                    row = by_key[name, subset, temperature]
                     reference = base[metric] if base is not None and name != baseline_name else None
-                    cells.append(f"{value:.2f}{unit}{gain(value, reference)}")
+                    interval = row.get("tau_gain_ci95") if metric == "acceptance_length" else None
+                    cells.append(f"{row[metric]:.2f}{unit}{gain(row[metric], reference, interval)}")
         lines.append("| " + " | ".join(cells) + " |")
     greedy = [row for row in results if row["subset"] == "all" and row.get("mismatches") is not None]
     if greedy:

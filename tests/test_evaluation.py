@@ -3,6 +3,7 @@
 import csv
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -246,6 +247,9 @@ def test_report_performance_and_latency_model(workspace, evaluation_run):
             assert r["predicted_speedup"] == pytest.approx(
                 r["acceptance_length"] * plain["t_ar"] / (r["t_draft"] + r["t_verify"]))
             assert len(r["acceptance_at_pos"]) == 3
+            if name != "baseline":  # gains against --baseline_name, with a bootstrap interval over the prompts
+                assert r["tau_gain"] == pytest.approx(r["acceptance_length"] / results["baseline", subset, temperature]["acceptance_length"] - 1)
+                assert r["tau_gain_ci95"][0] <= r["tau_gain_ci95"][1]
     for temperature in (0, 1):
         on, off = results["carryover", "all", temperature], results["carryover-off", "all", temperature]
         assert on["t_reuse"] == pytest.approx(on["t_draft"] - off["t_draft"])
@@ -280,8 +284,22 @@ def test_markdown_table_has_paper_layout(evaluation_run):
     assert [row.split(" | ")[0][2:] for row in rows] == [*SUBSETS, "All (micro)"]
     results = {(r["drafter"], r["subset"], r["temperature"]): r for r in report["results"]}
     base, carry = results["baseline", "alpha", 0]["acceptance_length"], results["carryover", "alpha", 0]["acceptance_length"]
-    assert f"{carry:.2f} ({100 * (carry / base - 1):+.1f}%)" in rows[0]
+    low, high = results["carryover", "alpha", 0]["tau_gain_ci95"]
+    assert f"{carry:.2f} ({100 * (carry / base - 1):+.1f}% [{100 * low:+.1f}, {100 * high:+.1f}])" in rows[0]
     assert "carryover 0 mismatches" in table
+
+
+def test_tau_gain_interval_is_a_paired_bootstrap_over_prompts():
+    reference = [(10 + i % 7, 5 + i % 3) for i in range(40)]  # (tokens per round summed, rounds) per prompt
+    better = [(round(1.1 * tokens), rounds) for tokens, rounds in reference]  # ~10% more on every prompt
+    low, high = run.tau_gain_ci(better, reference)
+    assert 0.05 < low <= high < 0.15  # paired: the prompt-to-prompt spread cancels
+    assert run.tau_gain_ci(reference, reference) == [0.0, 0.0]
+    noisy = [(tokens + (3 if i % 2 else -3), rounds) for i, (tokens, rounds) in enumerate(reference)]
+    low, high = run.tau_gain_ci(noisy, reference)
+    assert low < 0 < high  # no real difference: the interval straddles zero
+    assert run.tau_gain_ci(better, reference, seed=1) != run.tau_gain_ci(better, reference, seed=2)
+    assert all(math.isnan(x) for x in run.tau_gain_ci(better[:1], reference[:1]))  # one prompt: no interval
 
 
 def test_run_cli_with_yaml_config(workspace, tmp_path):
