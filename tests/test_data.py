@@ -276,6 +276,13 @@ def test_interrupted_regeneration_resumes_to_the_uninterrupted_rows(taught_targe
         assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "shard-00000.parquet", "shard-00001.parquet"]
         with pytest.raises(ValueError, match="2 of 4 shards are missing"):
             load_regenerated(out)
+        # the finished shards can be trained on meanwhile: the first rows of the uninterrupted run
+        first_two = load_regenerated(out, num_shards=2)
+        assert first_two.to_dict() == reference.select(range(len(first_two))).to_dict() and len(first_two) == 4
+        with pytest.raises(ValueError, match="1 of 3 shards are missing"):
+            load_regenerated(out, num_shards=3)
+        with pytest.raises(ValueError, match="has 4 shards; cannot load the first 5"):
+            load_regenerated(out, num_shards=5)
         calls.clear()
         resumed = regenerate(taught_target, TOK, prompts, out, **settings)
         assert len(calls) == 2  # only shards 2 and 3 were generated: finished shards are never redone

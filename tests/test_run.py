@@ -215,6 +215,7 @@ def test_bad_inputs_fail_before_writing_anything(tiny_setup, tmp_path):
 
     fails("lacks \\['loss_mask'\\]", dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
     fails("two consecutive response tokens", dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 0, 1]]}))
+    fails("not a regenerated folder: it has no shards", "--dataset_shards", "1")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     out = tmp_path / "out_empty"

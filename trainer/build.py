@@ -166,11 +166,13 @@ def switch_carryover_interface(drafter: CarryoverDrafterModel, interface: str) -
     return switched
 
 
-def load_training_rows(path: str) -> Dataset:
-    """A regenerated folder (`python -m trainer.regenerate`), or rows with input_ids/loss_mask in a `save_to_disk`
-    folder or a JSONL/Parquet/CSV file."""
+def load_training_rows(path: str, num_shards: int | None = None) -> Dataset:
+    """A regenerated folder (`python -m trainer.regenerate`; `num_shards`: its first shards only), or rows with
+    input_ids/loss_mask in a `save_to_disk` folder or a JSONL/Parquet/CSV file."""
     if (Path(path) / MANIFEST).exists():
-        return load_regenerated(path)
+        return load_regenerated(path, num_shards)
+    if num_shards is not None:
+        raise ValueError(f"{path} is not a regenerated folder: it has no shards to choose from (drop the shard count)")
     return load_rows(path)
 
 

@@ -540,13 +540,16 @@ def regenerate(
     return load_regenerated(output_dir)
 
 
-def load_regenerated(output_dir) -> Dataset:
-    """The rows of a finished `regenerate` run, in prompt order; `dataset.info.description` is the manifest (JSON)."""
+def load_regenerated(output_dir, num_shards: int | None = None) -> Dataset:
+    """The rows of a finished `regenerate` run, in prompt order; `dataset.info.description` is the manifest (JSON).
+    `num_shards`: only the first shards (those must be finished), e.g. to train while a long regeneration goes on."""
     output_dir = Path(output_dir)
     if not (output_dir / MANIFEST).exists():
         raise ValueError(f"{output_dir} has no {MANIFEST}: not a regeneration output (run regenerate first)")
     manifest = json.loads((output_dir / MANIFEST).read_text())
-    paths = [_shard_path(output_dir, k) for k in range(manifest["num_shards"])]
+    if num_shards is not None and not 1 <= num_shards <= manifest["num_shards"]:
+        raise ValueError(f"{output_dir} has {manifest['num_shards']} shards; cannot load the first {num_shards}")
+    paths = [_shard_path(output_dir, k) for k in range(num_shards or manifest["num_shards"])]
     missing = [p.name for p in paths if not p.exists()]
     if missing:
         raise ValueError(

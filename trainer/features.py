@@ -54,6 +54,9 @@ NOT_RESUME_KEYS = ("target", "versions", "batch_size")
 class FeatureArguments:
     dataset: str = field(metadata={"help": "Training rows: a regenerated folder, or input_ids rows (as --dataset of run.py)."})
     output_dir: str = field(metadata={"help": "Where the features go (resumable: run again to finish)."})
+    dataset_shards: int | None = field(
+        default=None, metadata={"help": "Only the first N shards of a regenerated --dataset (as run.py's --dataset_shards)."}
+    )
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "0-based target layers to store [DFlash's rule for --num_draft_layers]."}
     )
@@ -277,7 +280,7 @@ def main(argv=None):
     layer_ids = list(layer_ids) + ([num_layers - 1] if args.final_hidden else [])
     features = extract_features(
         target,
-        load_training_rows(args.dataset),
+        load_training_rows(args.dataset, args.dataset_shards),
         args.output_dir,
         layer_ids,
         dtype=getattr(torch, args.dtype),

@@ -45,6 +45,9 @@ class DataArguments:
         default=None,
         metadata={"help": "Training rows: a regenerated folder, or input_ids/loss_mask rows (save_to_disk folder, JSONL, Parquet)."},
     )
+    dataset_shards: int | None = field(
+        default=None, metadata={"help": "Only the first N shards of a regenerated --dataset (its regeneration may go on)."}
+    )
     max_seq_length: int = field(default=2048, metadata={"help": "Rows are cut to this many tokens."})
     eval_rows: int = field(default=0, metadata={"help": "Hold out this many rows for evaluation (eval_loss)."})
     features: str | None = field(
@@ -77,7 +80,7 @@ def main(argv=None):
     if regenerating:
         rows = regenerate_from_args(target, tokenizer, regeneration_args, target_args.target)
     else:
-        rows = load_training_rows(data_args.dataset)
+        rows = load_training_rows(data_args.dataset, data_args.dataset_shards)
     features = TargetFeatures(data_args.features) if data_args.features else None
     if features is not None:
         rows = features.attach(rows, data_args.max_seq_length)
