@@ -1,7 +1,8 @@
 """Serve a Carryover drafter WITH carryover in vLLM (0.32.0, pinned): a `vllm.general_plugins` plugin and its export.
 
     python -m hub.vllm_plugin --source checkpoints/carryover --output_dir out-vllm          # export (E_carry kept)
-    vllm serve <target> --speculative-config '{"method": "dflash", "model": "out-vllm", "num_speculative_tokens": 7}'
+    python -m vllm.entrypoints.openai.api_server --model <target> \
+        --speculative-config '{"method": "dflash", "model": "out-vllm", "num_speculative_tokens": 7}'
 
 The export is `hub/convert.py --to dflash` (z-lab's DFlash format, which vLLM loads) plus what carryover needs:
 E_carry as the tensor `carry_embedding`, `architectures: ["DFlashCarryoverDraftModel"]`, and in `dflash_config`

@@ -27,16 +27,11 @@ MAX_TOKENS = 32
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=8, enforce_eager=True, skip_tokenizer_init=True)
 
 
-def tiny_target():
-    # head_dim 32: the smallest vLLM's CPU attention supports
-    return make_target("llama", num_attention_heads=2, num_key_value_heads=1)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny target and a drafter trained on its greedy outputs (baseline, then carryover), saved and exported."""
     folder = tmp_path_factory.mktemp("vllm")
-    target = tiny_target()
+    target = make_target("llama", num_attention_heads=2, num_key_value_heads=1)  # head_dim 32: vLLM CPU's smallest
     dataset = greedy_dataset(target, num_rows=32, new_tokens=40)
     drafter = make_drafter(target, block_size=BLOCK_SIZE, target_layer_ids=[1, 2])  # vLLM cannot read the last layer
     train_drafter(target, drafter, dataset, carryover=False, epochs=15)
