@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Literal
 
 from safetensors.torch import load_file, save_file
-from transformers import HfArgumentParser
 
 from hub.convert import export_dflash, import_drafter
 from modeling_carryover import CarryoverDrafterModel
+from trainer.cli import parse_arguments
 
 ARCHITECTURE = "DFlashCarryoverDraftModel"  # vLLM keeps a DFlash draft's architecture that starts with "DFlash"
 
@@ -78,7 +78,7 @@ class ExportArguments:
 
 
 def main(argv: list[str] | None = None) -> None:
-    (args,) = HfArgumentParser(ExportArguments).parse_args_into_dataclasses(args=argv)
+    (args,) = parse_arguments(ExportArguments, argv)
     carryover = {"checkpoint": None, "on": True, "off": False}[args.carryover]
     try:
         folder = export_vllm(import_drafter(args.source), args.output_dir, carryover=carryover)
