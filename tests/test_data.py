@@ -335,6 +335,11 @@ def test_metadata_is_recorded_and_a_mismatched_resume_raises(taught_target, tmp_
     with pytest.raises(ValueError, match="different settings.generation, settings.seed"):
         regenerate(taught_target, TOK, prompts, out, **settings, do_sample=True, seed=1)
     assert regenerate(taught_target, TOK, prompts, out, **{**settings, "progress": True}).to_dict() == data.to_dict()
+    # the tokenizer counts by its vocabulary, not its path: a copy elsewhere (another machine's cache) resumes
+    TOK.save_pretrained(tmp_path / "elsewhere")
+    moved = PreTrainedTokenizerFast.from_pretrained(tmp_path / "elsewhere")
+    assert moved.name_or_path != TOK.name_or_path and len(recorded["tokenizer_vocab_sha256"]) == 64
+    assert regenerate(taught_target, moved, prompts, out, **settings).to_dict() == data.to_dict()
 
 
 def test_regenerate_bad_inputs_write_nothing(taught_target, tmp_path):

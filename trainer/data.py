@@ -487,7 +487,8 @@ def regenerate(
     settings = {
         "target": target_name or target.name_or_path,
         "dtype": str(target.dtype),
-        "tokenizer": tokenizer.name_or_path,
+        # the tokenizer by its vocabulary, not its path: a run resumes on another machine or cache folder
+        "tokenizer_vocab_sha256": _sha256(sorted(tokenizer.get_vocab().items())),
         "chat_template_sha256": _sha256(tokenizer.get_chat_template()),
         "chat_template_kwargs": chat_template_kwargs,
         "generation": generation,
