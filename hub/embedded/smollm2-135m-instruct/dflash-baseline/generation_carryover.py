@@ -1,0 +1,363 @@
+"""Carryover decoding through `transformers` generate.
+
+This file is self-contained (torch + transformers only): it is imported by the drafter's model file and also saved,
+unchanged, as `custom_generate/generate.py` next to every checkpoint, so that
+
+    target.generate(**inputs, assistant_model=drafter, custom_generate=<drafter folder or repo>, trust_remote_code=True)
+
+decodes with carryover in a process where this project is not installed. It talks to the drafter only through the
+drafter's own methods (`check_target`, `feature_hidden_state_indices`, `target_features`, `block_inputs`,
+`rejected_rows`, `forward`, `draft_logits`, `greedy_drafts`, `markov_correction`, `full_vocab_logits`), so the
+concepts they define are the ones training uses too.
+
+Each round (batch size 1, like all assisted generation in transformers):
+  1. the target's last verification forward returned hidden states for the window `[anchor, draft_1 .. draft_c]`;
+  2. the anchor and the accepted drafts become committed drafter context (their keys/values are cached);
+  3. with carryover, the rejected drafts' rows (+ E_carry) become read-only context for the next proposal only;
+  4. the drafter proposes up to `block_size - 1` tokens (or `num_assistant_tokens`) for the block `[new anchor, MASK ...]`;
+  5. transformers verifies them (greedy match or exact speculative sampling) and crops its own cache.
+"""
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from transformers import DynamicCache, GenerationMixin
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+
+
+@dataclass
+class DraftRound:
+    """One speculative round: `proposed` drafts for the block anchored at `anchor_position`, of which the target
+    accepted `accepted`, with `carried` rejected rows of the previous round as extra context and `committed_rows`
+    rows in the drafter's cache. `drafts` are the proposed token ids (for replay analyses). Seconds are wall-clock
+    (CUDA-synchronised)."""
+
+    anchor_position: int
+    proposed: int
+    carried: int
+    committed_rows: int
+    drafts: list[int] = field(default_factory=list)
+    accepted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+
+@dataclass
+class GenerationStats:
+    """Per-round records of the last `generate` call (`drafter.generation_stats`)."""
+
+    rounds: list[DraftRound] = field(default_factory=list)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def acceptance_length(self) -> float:
+        """tau: tokens per verification round, bonus token included, micro-averaged over rounds."""
+        if not self.rounds:
+            return float("nan")
+        return sum(r.accepted + 1 for r in self.rounds) / len(self.rounds)
+
+
+def _synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class CarryoverCandidateGenerator(CandidateGenerator):
+    """Proposes blocks with a Carryover drafter from the target's hidden states of every verification forward."""
+
+    requires_model_outputs = True
+
+    def __init__(self, target, drafter, generation_config, logits_processor=None, carryover=None, input_ids=None):
+        drafter.check_target(target.config)
+        if input_ids is not None and input_ids.shape[0] != 1:
+            raise ValueError(
+                f"Carryover decoding takes one sequence at a time (batch size 1, as transformers' assisted generation); "
+                f"got a batch of {input_ids.shape[0]}. Call generate once per prompt."
+            )
+        if input_ids is not None and input_ids.shape[1] == 0:
+            raise ValueError("The prompt is empty: carryover decoding needs at least one input token.")
+        self.drafter = drafter
+        # Drafts per round: the block's block_size - 1 slots, or fewer with `num_assistant_tokens` (vLLM's
+        # num_speculative_tokens): the drafter still fills its whole block, the target verifies only the first ones.
+        # Where verifying costs more per token than drafting (a CPU), fewer can be faster at the same block size.
+        num_assistant_tokens = generation_config.num_assistant_tokens
+        if num_assistant_tokens is not None and num_assistant_tokens < 1:
+            raise ValueError(f"num_assistant_tokens (drafts per round) must be at least 1, got {num_assistant_tokens}.")
+        self.max_drafts = min(drafter.config.block_size - 1, num_assistant_tokens or drafter.config.block_size)
+        self.carryover = drafter.config.carryover if carryover is None else bool(carryover)
+        self.use_markov = drafter.config.markov_rank > 0
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        # Each verification forward returns the feature layers only (all layers if the caller asked for them).
+        indices = True if generation_config.output_hidden_states else drafter.feature_hidden_state_indices
+        self.model_kwargs_overrides = {"output_hidden_states": indices}
+        self.do_sample = generation_config.do_sample
+        self.max_length = generation_config.max_length
+        self.logits_processor = logits_processor if logits_processor is not None else []
+
+        self.cache = DynamicCache()  # committed context keys/values of the drafter
+        self.num_committed = 0  # positions 0 .. num_committed-1 are committed context (cached or pending)
+        self.pending = None  # (features [1, P, F], position ids [1, P]) committed but not yet in the cache
+        self.carried = None  # (features [1, 1, R, F], position ids [1, 1, R]) for the next proposal only
+        self.stats = GenerationStats()
+        drafter.generation_stats = self.stats
+        self.current_round = None
+        self.verify_started = 0.0
+
+    # -- after each verification ---------------------------------------------------------------------------------
+
+    def _absorb_verification(self, input_ids, model_outputs):
+        """Split the verified window into committed rows (anchor + accepted drafts) and rejected rows."""
+        device = self.drafter.device
+        window = self.drafter.target_features(model_outputs.hidden_states).to(device)  # [1, W, F]
+        window_position_ids = self.num_committed + torch.arange(window.shape[1], device=device)[None]  # [1, W]
+        # input_ids ends with the new anchor (bonus token), whose own features come with the next verification.
+        num_new = input_ids.shape[1] - 1 - self.num_committed
+        new = (window[:, :num_new], window_position_ids[:, :num_new])
+        self.pending = new if self.pending is None else tuple(torch.cat(p, 1) for p in zip(self.pending, new))
+        self.num_committed += num_new
+
+        self.carried = None
+        if self.carryover and num_new < window.shape[1]:
+            accepted_len = torch.tensor([num_new - 1], device=device)
+            rows, row_position_ids, valid = self.drafter.rejected_rows(window, window_position_ids, accepted_len)
+            num_rejected = int(valid.sum())  # valid rows are packed first
+            self.carried = (rows[:, None, :num_rejected], row_position_ids[:, None, :num_rejected])
+
+    # -- the proposal --------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _propose(self, input_ids, num_drafts):
+        """Draft `num_drafts` tokens after `input_ids`. Returns candidates [1, L + c] and processed logits [1, c, V]."""
+        device = self.drafter.device
+        anchor_position_ids = torch.tensor([input_ids.shape[1] - 1], device=device)
+        block_ids, block_position_ids = self.drafter.block_inputs(input_ids[:, -1].to(device), anchor_position_ids)
+        block_embeds = self.embed_tokens(block_ids.to(self.embed_tokens.weight.device)).to(device)
+        carried_features, carried_position_ids = self.carried if self.carried is not None else (None, None)
+        context_features, context_position_ids = self.pending
+        out = self.drafter(
+            block_embeds[:, None],
+            block_position_ids[:, None],
+            context_features=context_features,
+            context_position_ids=context_position_ids,
+            carried_features=carried_features,
+            carried_position_ids=carried_position_ids,
+            past_key_values=self.cache,
+        )
+        self.pending = None
+        hidden = out.last_hidden_state[0, 0, 1 : num_drafts + 1]  # slot k predicts the token at anchor + k
+        logits = self.drafter.draft_logits(self.lm_head, hidden)  # [c, scored vocab]: the draft vocabulary, if any
+        return self._choose_drafts(input_ids, logits)
+
+    def _choose_drafts(self, input_ids, logits):
+        """Pick drafts slot by slot as the target will judge them: logits processors see the sequence so far and the
+        Markov head the previous choice. The returned logits are exactly those each draft was drawn from, over the
+        target's vocabulary (-inf outside a draft vocabulary: q = 0 there). logits [c, scored vocab]"""
+        if not (self.do_sample or len(self.logits_processor)):  # plain greedy: the rule training uses too
+            drafts = self.drafter.greedy_drafts(logits, input_ids[0, -1].to(logits.device))
+            return torch.cat([input_ids, drafts[None].to(input_ids.device)], dim=-1), None
+        sequence, previous, chosen_from = input_ids, input_ids[:, -1], []
+        logits = logits.to(input_ids.device)  # processors index with the sequence
+        for slot_logits in logits.split(1):  # [1, scored vocab]
+            if self.use_markov:
+                correction = self.drafter.markov_correction(previous)
+                slot_logits = slot_logits + correction.float().to(slot_logits.device)
+            slot_logits = self.drafter.full_vocab_logits(slot_logits)  # [1, V]: processors index target ids
+            if len(self.logits_processor):
+                slot_logits = self.logits_processor(sequence, slot_logits)
+            if self.do_sample:
+                draft = torch.multinomial(slot_logits.softmax(-1), num_samples=1)
+            else:
+                draft = slot_logits.argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, draft.to(sequence.device)], dim=-1)
+            previous = draft[:, 0]
+            chosen_from.append(slot_logits)
+        return sequence, torch.stack(chosen_from, dim=1)
+
+    # -- the CandidateGenerator interface ------------------------------------------------------------------------
+
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
+        if is_first_iteration:  # no target features yet: the target prefills and emits the first token itself
+            return input_ids, None
+        started = time.perf_counter()
+        self._absorb_verification(input_ids, model_outputs)
+        num_drafts = min(self.max_drafts, self.max_length - input_ids.shape[1] - 1)  # leave room for the bonus
+        if num_drafts <= 0:
+            return input_ids, None
+        candidates, candidate_logits = self._propose(input_ids, num_drafts)
+        _synchronize(self.drafter.device)
+        self.verify_started = time.perf_counter()
+        carried = 0 if self.carried is None else self.carried[0].shape[2]
+        self.current_round = DraftRound(
+            anchor_position=input_ids.shape[1] - 1,
+            proposed=num_drafts,
+            carried=carried,
+            committed_rows=self.cache.get_seq_length(),
+            drafts=candidates[0, input_ids.shape[1] :].tolist(),
+            draft_seconds=self.verify_started - started,
+        )
+        return candidates, candidate_logits if self.do_sample else None
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        if self.current_round is None:  # that forward was a plain target step
+            return
+        _synchronize(input_ids.device)
+        self.current_round.accepted = int(num_matches)
+        self.current_round.verify_seconds = time.perf_counter() - self.verify_started
+        self.stats.rounds.append(self.current_round)
+        self.current_round = None
+
+
+class FirstStopInRound(StoppingCriteria):
+    """transformers checks the stopping criteria once per round, after all its accepted tokens, and cuts only at EOS
+    and max length: a stop string or custom criterion met mid-round would let the output run on. This wrapper checks
+    every new prefix and remembers the shortest length at which `criteria` fire, where the output is then cut."""
+
+    def __init__(self, criteria: StoppingCriteriaList, prompt_length: int):
+        self.criteria, self.checked_length, self.stop_length = criteria, prompt_length, None
+        # transformers cuts EOS and max length itself (and max time is round-grained anyway): no prefix checks then
+        self.cut_by_transformers = all(isinstance(c, (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria)) for c in criteria)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.cut_by_transformers:
+            return self.criteria(input_ids, scores, **kwargs)
+        while self.stop_length is None and self.checked_length < input_ids.shape[1]:
+            self.checked_length += 1
+            if self.criteria(input_ids[:, : self.checked_length], scores, **kwargs).any():
+                self.stop_length = self.checked_length
+        return torch.full((input_ids.shape[0],), self.stop_length is not None, dtype=torch.bool, device=input_ids.device)
+
+
+def cut_output(output, length):
+    """`generate`'s output (ids, or a ModelOutput with per-token tuples and the cache) cut to `length` tokens."""
+    if length is None:
+        return output
+    if isinstance(output, torch.Tensor):
+        return output[:, :length]
+    removed = output.sequences.shape[1] - length
+    output.sequences = output.sequences[:, :length]
+    for name in ("scores", "logits", "attentions", "hidden_states"):  # one entry per generated token
+        if getattr(output, name, None) is not None:
+            setattr(output, name, getattr(output, name)[: len(getattr(output, name)) - removed])
+    if removed and getattr(output, "past_key_values", None) is not None:
+        output.past_key_values.crop(-removed)
+    return output
+
+
+@contextlib.contextmanager
+def _candidate_generator_of(target, candidate_generator):
+    """Make `target._assisted_decoding` use `candidate_generator` (an instance-level override; not thread-safe)."""
+    previous = vars(target).get("_get_candidate_generator")
+    target._get_candidate_generator = lambda *args, **kwargs: candidate_generator
+    try:
+        yield
+    finally:
+        if previous is None:
+            del target._get_candidate_generator
+        else:
+            target._get_candidate_generator = previous
+
+
+def carryover_decoding(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    carryover_drafter=None,
+    carryover=None,
+    carryover_streamer=None,
+    inputs_tensor=None,
+    **model_kwargs,
+):
+    """The decoding method handed to `generate(custom_generate=...)`: transformers' assisted decoding loop with a
+    `CarryoverCandidateGenerator`, cut where a stopping criterion first fires (`FirstStopInRound`; a streamer may
+    already have received the tokens after a mid-round stop string)."""
+    if generation_config.num_beams != 1 or generation_config.num_return_sequences != 1:
+        raise ValueError("Carryover decoding supports num_beams=1 and num_return_sequences=1 only.")
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("Carryover decoding starts from an empty target cache; do not pass a pre-filled past_key_values.")
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("Carryover decoding does not support padded prompts; pass the prompt without padding.")
+    generator = CarryoverCandidateGenerator(
+        model, carryover_drafter, generation_config, logits_processor, carryover=carryover, input_ids=input_ids
+    )
+    if carryover_streamer is not None:
+        carryover_streamer.put(input_ids.cpu())
+    first_stop = FirstStopInRound(stopping_criteria, input_ids.shape[1])
+    with _candidate_generator_of(model, generator):
+        output = GenerationMixin._assisted_decoding(
+            model,
+            input_ids,
+            logits_processor=logits_processor,
+            stopping_criteria=StoppingCriteriaList([first_stop]),
+            generation_config=generation_config,
+            assistant_model=carryover_drafter,
+            streamer=carryover_streamer,
+            inputs_tensor=inputs_tensor,
+            **model_kwargs,
+        )
+    return cut_output(output, first_stop.stop_length)
+
+
+def _stop_strings_as_criterion(model, kwargs):
+    """transformers does not hand `tokenizer` to a custom decoding function: turn stop strings (from the call or a
+    generation config) into a `StopStringCriteria` in `kwargs` here, leaving the caller's config as it is."""
+    generation_config = kwargs.get("generation_config") or model.generation_config
+    stop_strings = kwargs.pop("stop_strings", None) or generation_config.stop_strings
+    tokenizer = kwargs.pop("tokenizer", None)
+    if not stop_strings:
+        return
+    if tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer: generate(..., stop_strings=..., tokenizer=tokenizer).")
+    kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), StopStringCriteria(tokenizer, stop_strings)])
+    if "generation_config" in kwargs:
+        kwargs["generation_config"] = copy.deepcopy(generation_config)
+        kwargs["generation_config"].stop_strings = None
+    else:
+        kwargs["stop_strings"] = None
+
+
+def generate(model, *args, assistant_model=None, carryover=None, streamer=None, **kwargs):
+    """Speculative decoding of `model` (the target) with a Carryover drafter as `assistant_model`.
+
+    This is both the Hub `custom_generate` entry point (`target.generate(..., assistant_model=drafter,
+    custom_generate=<drafter folder>, trust_remote_code=True)`) and the in-process API
+    (`modeling_carryover.generate(target, **inputs, assistant_model=drafter, max_new_tokens=...)`).
+    `carryover=False` decodes with the same weights but without carried rows (the paper's OFF); the default is the
+    drafter config's `carryover`. Afterwards `assistant_model.generation_stats` holds the per-round records.
+    """
+    if assistant_model is None or not hasattr(assistant_model, "block_inputs"):
+        raise ValueError(
+            "Carryover decoding needs the drafter as `assistant_model=`, loaded with "
+            "`AutoModel.from_pretrained(<drafter>, trust_remote_code=True)`; got "
+            f"{type(assistant_model).__name__}."
+        )
+    kwargs.pop("custom_generate", None)
+    _stop_strings_as_criterion(model, kwargs)
+    return GenerationMixin.generate(
+        model,
+        *args,
+        custom_generate=carryover_decoding,
+        carryover_drafter=assistant_model,
+        carryover=carryover,
+        carryover_streamer=streamer,
+        **kwargs,
+    )
