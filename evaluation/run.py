@@ -42,7 +42,7 @@ from evaluation.benchmarks import EMBEDDED, encode_prompt, load_benchmark
 from evaluation.plots import plot_acceptance_by_position, plot_latency, plot_tau
 from modeling_carryover import GenerationStats
 from modeling_carryover import generate as carryover_generate
-from modeling_carryover.generation_carryover import _synchronize
+from modeling_carryover.generation_carryover import _synchronize, drafts_per_round
 from trainer.cli import parse_arguments
 from trainer.targets import load_target
 
@@ -219,11 +219,6 @@ def tau(rounds) -> float:
     return GenerationStats(rounds).acceptance_length
 
 
-def drafts_per_round(drafter, args) -> int:
-    """K: the drafts a round proposes (fewer only where the length cap cuts the last round)."""
-    return min(drafter.config.block_size - 1, args.num_assistant_tokens or drafter.config.block_size)
-
-
 def acceptance(rounds, num_positions: int) -> dict:
     """speculators' acceptance statistics. A round that proposed fewer than K tokens (length cap) counts its missing
     positions as not accepted, so `num_draft_tokens = num_drafts * K` and the rates never increase with position."""
@@ -290,7 +285,7 @@ def summarize(tallies, drafters, args) -> list[dict]:
                     "carryover": carryover,
                     "path": drafter.name_or_path,
                     "block_size": drafter.config.block_size,
-                    "drafts_per_round": drafts_per_round(drafter, args),
+                    "drafts_per_round": drafts_per_round(drafter.config.block_size, args.num_assistant_tokens),
                     "subset": subset,
                     "temperature": temperature,
                     "num_prompts": tally.prompts,
@@ -299,7 +294,7 @@ def summarize(tallies, drafters, args) -> list[dict]:
                     "tokens_per_second": speed,
                     "speedup": speed / plain_speed,
                     "mismatches": tally.mismatches if temperature == 0 else None,
-                    **acceptance(tally.rounds, drafts_per_round(drafter, args)),
+                    **acceptance(tally.rounds, drafts_per_round(drafter.config.block_size, args.num_assistant_tokens)),
                     "t_draft": mean(r.draft_seconds for r in tally.rounds),
                     "t_verify": mean(r.verify_seconds for r in tally.rounds),
                     "t_ar": rows[PLAIN]["t_ar"],

@@ -77,6 +77,13 @@ def _synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def drafts_per_round(block_size: int, num_assistant_tokens: int | None = None) -> int:
+    """Drafts a round proposes: the block's block_size - 1 slots, or fewer with `num_assistant_tokens`."""
+    if num_assistant_tokens is not None and num_assistant_tokens < 1:
+        raise ValueError(f"num_assistant_tokens (drafts per round) must be at least 1, got {num_assistant_tokens}.")
+    return min(block_size - 1, num_assistant_tokens or block_size)
+
+
 class CarryoverCandidateGenerator(CandidateGenerator):
     """Proposes blocks with a Carryover drafter from the target's hidden states of every verification forward."""
 
@@ -95,10 +102,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         # Drafts per round: the block's block_size - 1 slots, or fewer with `num_assistant_tokens` (vLLM's
         # num_speculative_tokens): the drafter still fills its whole block, the target verifies only the first ones.
         # Where verifying costs more per token than drafting (a CPU), fewer can be faster at the same block size.
-        num_assistant_tokens = generation_config.num_assistant_tokens
-        if num_assistant_tokens is not None and num_assistant_tokens < 1:
-            raise ValueError(f"num_assistant_tokens (drafts per round) must be at least 1, got {num_assistant_tokens}.")
-        self.max_drafts = min(drafter.config.block_size - 1, num_assistant_tokens or drafter.config.block_size)
+        self.max_drafts = drafts_per_round(drafter.config.block_size, generation_config.num_assistant_tokens)
         self.carryover = drafter.config.carryover if carryover is None else bool(carryover)
         self.use_markov = drafter.config.markov_rank > 0
         self.embed_tokens = target.get_input_embeddings()
