@@ -13,6 +13,7 @@ from transformers import TrainingArguments
 import trainer.features as features_module
 from modeling_carryover.modeling_carryover import hidden_state_request
 from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer, pad_collator
+from trainer.build import FEATURE_INDEX
 from trainer.features import FEATURES_MANIFEST, TargetFeatures, extract_features
 from trainer.objectives import LossSettings, training_step_loss
 from trainer.run import main as run_main
@@ -166,11 +167,15 @@ def test_a_stale_or_foreign_cache_is_refused(setup, tmp_path):
         features.check_layers([1, *layer_ids])
     with pytest.raises(ValueError, match="other rows"):
         features.attach(rows.select(range(9)), MAX_LENGTH)
+    # a prefix of whole feature shards is the first rows of the cache (--dataset_shards); other 8 rows are not
+    assert features.attach(rows.select(range(8)), MAX_LENGTH)[FEATURE_INDEX] == list(range(8))
+    with pytest.raises(ValueError, match="other rows"):
+        features.attach(rows.select(range(1, 9)), MAX_LENGTH)
     with pytest.raises(ValueError, match="shorter rows"):
         features.attach(rows, MAX_LENGTH + 1)
     with pytest.raises(ValueError, match="different dtype"):  # resuming with other settings
         extract(setup, tmp_path / "features", torch.float16)
-    with pytest.raises(ValueError, match="different data_fingerprint, num_rows:"):
+    with pytest.raises(ValueError, match="different data_fingerprint, num_rows"):
         extract((target, rows.select(range(9)), drafter, layer_ids), tmp_path / "features", torch.bfloat16)
     # the Trainer refuses a drafter needing a layer that is not stored, and rows without their feature index
     dflash = make_drafter(target, target_layer_ids=[0, 1])

@@ -68,13 +68,16 @@ class FeatureArguments:
     batch_size: int = field(default=8, metadata={"help": "Rows per target forward."})
 
 
-def data_fingerprint(rows: Dataset) -> str:
-    """sha256 of every row's input_ids (as int64, with its length): the rows the features belong to, in order."""
-    digest = hashlib.sha256()
-    for batch in rows.select_columns(["input_ids"]).with_format("numpy").iter(batch_size=1024):
+def data_fingerprints(rows: Dataset, every: int) -> list[str]:
+    """sha256 of the rows' input_ids (each as int64, with its length), in order, after every `every` rows and after
+    the last: entry k identifies the first (k + 1) * every rows, and the last entry all of them (what a shorter
+    `--dataset_shards` prefix of the same rows is checked against)."""
+    digest, prefixes = hashlib.sha256(), []
+    for batch in rows.select_columns(["input_ids"]).with_format("numpy").iter(batch_size=every):
         for ids in batch["input_ids"]:
             digest.update(np.int64(len(ids)).tobytes() + np.asarray(ids, dtype=np.int64).tobytes())
-    return digest.hexdigest()
+        prefixes.append(digest.hexdigest())
+    return prefixes
 
 
 @torch.no_grad()
@@ -101,6 +104,11 @@ def _target_identity(target, target_name) -> dict:
         "num_target_layers": text.num_hidden_layers,
         "hidden_size": text.hidden_size,
     }
+
+
+def _row_identity(rows: Dataset, shard_size: int) -> dict:
+    prefixes = data_fingerprints(rows, shard_size)
+    return {"data_fingerprint": prefixes[-1], "shard_fingerprints": prefixes}
 
 
 def _resume_view(manifest: dict) -> dict:
@@ -156,7 +164,7 @@ def extract_features(
         "target_dtype": str(target.dtype),
         "layer_ids": layer_ids,
         "dtype": str(dtype).removeprefix("torch."),
-        "data_fingerprint": data_fingerprint(rows),
+        **_row_identity(rows, shard_size),
         "num_rows": len(rows),
         "max_seq_length": max_seq_length,
         "shard_size": shard_size,
@@ -255,11 +263,16 @@ class TargetFeatures:
     def attach(self, rows: Dataset, max_seq_length: int) -> Dataset:
         """`rows` (as the extraction read them) with a FEATURE_INDEX column, after checking they are the rows the
         features were extracted from and that rows of `max_seq_length` tokens have all their features stored."""
-        fingerprint = data_fingerprint(rows)
-        if fingerprint != self.manifest["data_fingerprint"]:
+        shard_size = self.manifest["shard_size"]
+        fingerprint = data_fingerprints(rows, shard_size)[-1] if len(rows) else None
+        known = [self.manifest["data_fingerprint"]]
+        if len(rows) % shard_size == 0:  # --dataset_shards: the first whole feature shards of the extracted rows
+            known += self.manifest.get("shard_fingerprints", [])[len(rows) // shard_size - 1 : len(rows) // shard_size]
+        if fingerprint not in known:
             self._refuse(
                 "other rows", f"{self.manifest['num_rows']} rows (input_ids {self.manifest['data_fingerprint'][:12]})",
-                f"{len(rows)} rows ({fingerprint[:12]})", "Extract features again for these rows.",
+                f"{len(rows)} rows ({(fingerprint or 'none')[:12]})",
+                "Extract features again for these rows (a prefix of them must be whole feature shards).",
             )
         if max_seq_length > self.manifest["max_seq_length"]:
             self._refuse(
