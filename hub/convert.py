@@ -446,13 +446,16 @@ def drafter_from_weights(config: CarryoverDrafterConfig, weights: dict[str, torc
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def export_dflash(drafter: CarryoverDrafterModel, output_dir: str | Path) -> Path:
+def export_dflash(drafter: CarryoverDrafterModel, output_dir: str | Path, keep_token_map: bool = False) -> Path:
     """Write the z-lab DFlash format (vLLM / SGLang method "dflash"). Carryover and the Markov head have no place in
     it. No `auto_map`: z-lab's `dflash.py` is not part of the folder (load it with z-lab's package); to load and decode
-    with transformers alone, export with `export_transformers`."""
+    with transformers alone, export with `export_transformers`. `keep_token_map` (hub/vllm_plugin.py's export): a draft
+    vocabulary is written as vLLM's DFlash model reads it, `draft_vocab_size` and speculators' `d2t`/`t2d`; z-lab's
+    format has no such fields and stock vLLM would score the wrong LM-head rows, so otherwise it is refused."""
     config = drafter.config
-    check_exportable(config, "The z-lab DFlash format", keeps_sliding_layers=False, keeps_token_map=False)
-    state = exported_state(drafter, "The z-lab DFlash format", keep_markov=False)
+    format_name = "The z-lab DFlash format"
+    check_exportable(config, format_name, keeps_sliding_layers=False, keeps_token_map=keep_token_map)
+    state = exported_state(drafter, format_name, keep_markov=False)
     dflash_config = {
         "architectures": ["DFlashDraftModel"],
         **qwen3_layer_config(config),
@@ -460,6 +463,10 @@ def export_dflash(drafter: CarryoverDrafterModel, output_dir: str | Path) -> Pat
         "num_target_layers": config.num_target_layers,
         "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)},
     }
+    draft_token_ids = state.pop("draft_token_ids", None)
+    if draft_token_ids is not None:
+        dflash_config["draft_vocab_size"] = config.draft_vocab_size
+        state |= speculators_token_maps(draft_token_ids, config.vocab_size)
     return write_checkpoint(output_dir, dflash_config, state)
 
 
@@ -513,10 +520,18 @@ def export_speculators(drafter: CarryoverDrafterModel, output_dir: str | Path, v
         theirs = {ours: name for name, ours in MARKOV_KEYS.items()}
         state = {theirs.get(key, key): tensor for key, tensor in state.items()}
     draft_token_ids = state.pop("draft_token_ids", None)
-    if draft_token_ids is not None:  # speculators' maps: d2t[i] = target id - i, t2d = the drafted target tokens
-        state["d2t"] = draft_token_ids - torch.arange(len(draft_token_ids))
-        state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill(0, draft_token_ids, True)
+    if draft_token_ids is not None:
+        state |= speculators_token_maps(draft_token_ids, config.vocab_size)
     return write_checkpoint(output_dir, speculators_config, state)
+
+
+def speculators_token_maps(draft_token_ids: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Our token map as speculators' (and vLLM's EAGLE-3/DFlash) buffers: `d2t` [N] with target id = index + d2t[index],
+    `t2d` bool [vocab_size] marking the drafted target tokens."""
+    return {
+        "d2t": draft_token_ids - torch.arange(len(draft_token_ids)),
+        "t2d": torch.zeros(vocab_size, dtype=torch.bool).index_fill(0, draft_token_ids, True),
+    }
 
 
 def export_transformers(drafter: CarryoverDrafterModel, output_dir: str | Path) -> Path:
@@ -557,7 +572,8 @@ def check_exportable(
         # drop a Markov head's N-row W2): it would propose other tokens, so it is refused, not approximated.
         raise ValueError(
             f"{format_name} has no draft-vocabulary token map, and this drafter drafts on {config.draft_vocab_size} "
-            f"of {config.vocab_size} tokens: not exported. The speculators format keeps the map (d2t/t2d)."
+            f"of {config.vocab_size} tokens: not exported. The speculators format keeps the map (d2t/t2d), and so "
+            "does the vLLM plugin's export (`python -m hub.vllm_plugin`)."
         )
     factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
     if factor != 1.0:

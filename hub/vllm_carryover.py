@@ -47,7 +47,8 @@ class CarryoverDFlashModel(DFlashQwen3Model):
 
 class CarryoverDFlashForCausalLM(DFlashQwen3ForCausalLM):
     """vLLM's Qwen3 DFlash drafter plus E_carry (`carry_embedding`, the width of the concatenated target features),
-    with the context keys normed per layer (`CarryoverDFlashModel`)."""
+    with the context keys normed per layer (`CarryoverDFlashModel`) and, for a draft vocabulary, the target LM head's
+    rows of the draft tokens as its head (`load_draft_head`)."""
 
     model_cls = CarryoverDFlashModel
 
@@ -66,6 +67,18 @@ class CarryoverDFlashForCausalLM(DFlashQwen3ForCausalLM):
             else:
                 rest.append((name, tensor))
         return super().load_weights(rest)
+
+    def load_draft_head(self, target_lm_head: nn.Module) -> None:
+        """The head of a drafter with a draft vocabulary (`draft_vocab_size` N and the map `d2t`, loaded by vLLM's
+        DFlash as `draft_id_to_target_id`): the target LM head's rows of the N draft tokens, gathered once, as
+        `generate`'s `draft_logits` scores them. vLLM's `compute_logits` then scores these rows only and places them at
+        their target ids, -inf elsewhere (its EAGLE-3 mechanism), so the greedy draft is the argmax over the draft
+        vocabulary mapped to its target id. One rank: the target's head must not be split over a tensor-parallel group.
+        target_lm_head.weight [vocab (padded), d] -> self.lm_head.weight [N (padded), d]"""
+        rows = torch.arange(len(self.draft_id_to_target_id), device=self.draft_id_to_target_id.device)
+        rows = rows + self.draft_id_to_target_id  # [N] target ids, increasing
+        self.lm_head.weight_loader(self.lm_head.weight, target_lm_head.weight[rows])
+        self.lm_head.quant_method.process_weights_after_loading(self.lm_head)  # vLLM CPU packs the weight for its GEMM
 
 
 def check_pair(draft_hf_config, target_hf_config, num_speculative_tokens: int) -> None:
@@ -112,6 +125,17 @@ class CarryoverDFlashProposer(DFlashProposer):
         self.carried = None  # [batch] rows each request carries into the proposal being made
         self.record_path = os.environ.get(RECORD_ENV)
         self.num_proposals = 0
+
+    @override
+    def _maybe_share_lm_head(self, target_language_model: nn.Module) -> None:
+        """vLLM gives a drafter without an LM head of its own the target's whole head; a carryover drafter with a
+        draft vocabulary gets that head's rows of its draft tokens instead."""
+        if isinstance(self.model, CarryoverDFlashForCausalLM) and self.model.draft_id_to_target_id is not None:
+            if self.vllm_config.parallel_config.tensor_parallel_size > 1:
+                raise ValueError("A carryover drafter with a draft vocabulary is served with tensor_parallel_size=1.")
+            self.model.load_draft_head(target_language_model.lm_head)
+        else:
+            super()._maybe_share_lm_head(target_language_model)
 
     def carried_rows(self, batch_size: int, num_rejected_tokens: torch.Tensor | None) -> torch.Tensor | None:
         """Rows each request of the batch carries: its rejected drafts where carryover is on for it. -> [batch]"""

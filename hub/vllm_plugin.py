@@ -5,11 +5,13 @@
         --speculative-config '{"method": "dflash", "model": "out-vllm", "num_speculative_tokens": 7}'
 
 The export is `hub/convert.py --to dflash` (z-lab's DFlash format, which vLLM loads) plus what carryover needs:
-E_carry as the tensor `carry_embedding`, `architectures: ["DFlashCarryoverDraftModel"]`, and in `dflash_config`
+E_carry as the tensor `carry_embedding`, `architectures: ["DFlashCarryoverDraftModel"]`, in `dflash_config`
 `carryover` (on by default for requests; the checkpoint's own `carryover` unless `--carryover` says otherwise) and
-`target_model_type`. With the plugin installed (`pip install -e ".[vllm]"`, see hub/vllm_env.sh), vLLM loads it as
-`vllm_carryover.CarryoverDFlashForCausalLM` and drafts with `vllm_carryover.CarryoverDFlashProposer`, which refuses
-a target or `num_speculative_tokens` the drafter does not fit. Plain `--to dflash` exports (no E_carry) run exactly as
+`target_model_type`, and a draft vocabulary's `draft_vocab_size` with its token map `d2t` (and `t2d`). With the
+plugin installed (`pip install -e ".[vllm]"`, see hub/vllm_env.sh), vLLM loads it as
+`vllm_carryover.CarryoverDFlashForCausalLM`, whose head for a draft vocabulary is the target LM head's rows of the
+draft tokens, and drafts with `vllm_carryover.CarryoverDFlashProposer`, which refuses a target or
+`num_speculative_tokens` the drafter does not fit. Plain `--to dflash` exports (no E_carry) run exactly as
 stock vLLM DFlash with the plugin installed too. A request turns carryover off (or on) with
 `SamplingParams(extra_args={"carryover": False})`.
 """
@@ -54,7 +56,7 @@ def export_vllm(drafter: CarryoverDrafterModel, output_dir: str | Path, carryove
         )
     with warnings.catch_warnings():  # export_dflash drops E_carry with a warning: it is added back below
         warnings.filterwarnings("ignore", message=".*has no place for the carryover part")
-        folder = export_dflash(drafter, output_dir)
+        folder = export_dflash(drafter, output_dir, keep_token_map=True)
     vllm_config = json.loads((folder / "config.json").read_text())
     vllm_config["architectures"] = [ARCHITECTURE]
     vllm_config["dflash_config"] |= {
