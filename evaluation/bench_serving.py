@@ -5,9 +5,11 @@ concurrency, tokens/s and acceptance length side by side in one run, and what ca
     python evaluation/bench_serving.py --drafter checkpoints/carryover --concurrency 1 2 4 8 \
         --num_prompts 4 --max_tokens 32 --repeats 3 --output evaluation/results/smollm2-cpu/bench_serving.json
 
-The drafter (this project's checkpoint) is exported twice: `hub/convert.py --to dflash`, served by vLLM's own DFlash
-with the plugin disabled (`VLLM_PLUGINS=""`), and `hub/vllm_plugin.py`'s export, served by the plugin with carryover
-on and, in the same engine, off (`SamplingParams(extra_args={"carryover": False})`). Each engine runs in its own
+The drafter (this project's checkpoint) is exported twice: `hub/convert.py --to dflash --verifier <target>`, served
+by vLLM's own DFlash with the plugin disabled (`VLLM_PLUGINS=""`; a draft vocabulary gets the target LM head's rows of
+its tokens as the drafter's own head, which stock vLLM loads and maps to target ids through `d2t`), and
+`hub/vllm_plugin.py`'s export, served by the plugin with carryover on and, in the same engine, off
+(`SamplingParams(extra_args={"carryover": False})`). Each engine runs in its own
 process, in-process engine core and no async scheduling, so that one `step()` is one verification round of the batch.
 At each concurrency c, the prompts (HumanEval and MT-Bench first turns, chat template, greedy, fixed length) are fed
 with c requests in flight, `--repeats` times; the carryover engine alternates OFF and ON pass by pass. Reported per
@@ -147,7 +149,7 @@ def main(argv=None):
     (args,) = parse_arguments(ServingArguments, argv)
     import torch
 
-    from hub.convert import export_dflash, import_drafter
+    from hub.convert import export_dflash, import_drafter, target_lm_head
     from hub.vllm_plugin import export_vllm
     from trainer.targets import resolve_target_path
 
@@ -158,7 +160,8 @@ def main(argv=None):
     drafter = import_drafter(args.drafter)
     block = drafter.config.block_size
     with tempfile.TemporaryDirectory() as exports:
-        plain_export = export_dflash(drafter, f"{exports}/dflash")  # warns: E_carry dropped, as it should be
+        # warns: E_carry dropped, as it should be; the target head's rows are written for a draft vocabulary only
+        plain_export = export_dflash(drafter, f"{exports}/dflash", target_lm_head=target_lm_head(target))
         carryover_export = export_vllm(drafter, f"{exports}/carryover", carryover=True)
         job = {"target": target, "dtype": args.dtype, "prompts": prompt_ids(target, args.benchmark, args.num_prompts),
                "max_tokens": args.max_tokens, "concurrency": args.concurrency, "repeats": args.repeats}  # fmt: skip

@@ -2,6 +2,7 @@
 
     python hub/convert.py --source z-lab/Qwen3-8B-DFlash-b16 --output_dir qwen3-8b-carryover      # import
     python hub/convert.py --source my-drafter --output_dir my-drafter-dflash --to dflash          # export
+    python hub/convert.py --source my-drafter --output_dir my-drafter-dflash --to dflash --verifier <target>  # + head
     python hub/convert.py --source my-drafter --output_dir my-drafter-spec --to speculators --verifier Qwen/Qwen3-8B
     python hub/convert.py --source my-drafter --output_dir my-drafter-hf --to transformers    # transformers' DFlash
 
@@ -446,15 +447,24 @@ def drafter_from_weights(config: CarryoverDrafterConfig, weights: dict[str, torc
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def export_dflash(drafter: CarryoverDrafterModel, output_dir: str | Path, keep_token_map: bool = False) -> Path:
+def export_dflash(
+    drafter: CarryoverDrafterModel,
+    output_dir: str | Path,
+    keep_token_map: bool = False,
+    target_lm_head: torch.Tensor | None = None,
+) -> Path:
     """Write the z-lab DFlash format (vLLM / SGLang method "dflash"). Carryover and the Markov head have no place in
     it. No `auto_map`: z-lab's `dflash.py` is not part of the folder (load it with z-lab's package); to load and decode
-    with transformers alone, export with `export_transformers`. `keep_token_map` (hub/vllm_plugin.py's export): a draft
-    vocabulary is written as vLLM's DFlash model reads it, `draft_vocab_size` and speculators' `d2t`/`t2d`; z-lab's
-    format has no such fields and stock vLLM would score the wrong LM-head rows, so otherwise it is refused."""
+    with transformers alone, export with `export_transformers`. A draft vocabulary is written as vLLM's DFlash model
+    reads it, `draft_vocab_size` and speculators' `d2t`/`t2d`, when `keep_token_map` (hub/vllm_plugin.py's export,
+    whose plugin gives the drafter its head at load) or with `target_lm_head`, the target's LM head weight
+    [vocab, d]: its rows of the draft tokens are written as the drafter's own `lm_head.weight` [N, d], which stock
+    vLLM loads instead of the target's whole head (`--to dflash --verifier`). Otherwise it is refused: z-lab's format
+    has no such fields, and stock vLLM would score the first N rows of the target's head."""
     config = drafter.config
     format_name = "The z-lab DFlash format"
-    check_exportable(config, format_name, keeps_sliding_layers=False, keeps_token_map=keep_token_map)
+    keeps_token_map = keep_token_map or target_lm_head is not None
+    check_exportable(config, format_name, keeps_sliding_layers=False, keeps_token_map=keeps_token_map)
     state = exported_state(drafter, format_name, keep_markov=False)
     dflash_config = {
         "architectures": ["DFlashDraftModel"],
@@ -467,6 +477,8 @@ def export_dflash(drafter: CarryoverDrafterModel, output_dir: str | Path, keep_t
     if draft_token_ids is not None:
         dflash_config["draft_vocab_size"] = config.draft_vocab_size
         state |= speculators_token_maps(draft_token_ids, config.vocab_size)
+        if target_lm_head is not None:  # [vocab, d] -> [N, d], the rows `draft_logits` scores
+            state["lm_head.weight"] = drafter.draft_head_weight(target_lm_head.detach(), draft_token_ids).contiguous()
     return write_checkpoint(output_dir, dflash_config, state)
 
 
@@ -534,6 +546,13 @@ def speculators_token_maps(draft_token_ids: torch.Tensor, vocab_size: int) -> di
     }
 
 
+def target_lm_head(target: str) -> torch.Tensor:
+    """The LM head weight [vocab, d] of `target` (a folder, Hub id or the embedded default), loaded in float32."""
+    from trainer.targets import load_target
+
+    return load_target(target, tokenizer=False)[0].get_output_embeddings().weight
+
+
 def export_transformers(drafter: CarryoverDrafterModel, output_dir: str | Path) -> Path:
     """Write transformers' built-in DFlash format: `AutoModel.from_pretrained(folder)` loads it without remote code,
     and `target.generate(..., assistant_model=drafter, speculation_type="dflash")` decodes with it as this drafter
@@ -573,7 +592,8 @@ def check_exportable(
         raise ValueError(
             f"{format_name} has no draft-vocabulary token map, and this drafter drafts on {config.draft_vocab_size} "
             f"of {config.vocab_size} tokens: not exported. The speculators format keeps the map (d2t/t2d), and so "
-            "does the vLLM plugin's export (`python -m hub.vllm_plugin`)."
+            "do the vLLM plugin's export (`python -m hub.vllm_plugin`) and, with the target LM head's rows as the "
+            "drafter's own head, `--to dflash --verifier <target>`."
         )
     factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
     if factor != 1.0:
@@ -679,7 +699,11 @@ class ConvertArguments:
         },
     )
     verifier: str | None = field(
-        default=None, metadata={"help": "--to speculators: the target model's Hub id, recorded as the verifier."}
+        default=None,
+        metadata={
+            "help": "--to speculators: the target model's Hub id, recorded as the verifier. --to dflash: the target "
+            "(folder or Hub id) whose LM-head rows a draft-vocabulary drafter gets as its own head (stock vLLM)."
+        },
     )
     revision: str | None = field(default=None, metadata={"help": "Hub revision of --source."})
     init_only: bool = field(
@@ -693,7 +717,8 @@ def convert(args: ConvertArguments) -> Path:
         raise ValueError("--to speculators needs --verifier (the target model's Hub id).")
     drafter = import_drafter(args.source, revision=args.revision, init_only=args.init_only)
     if args.to == "dflash":
-        return export_dflash(drafter, args.output_dir)
+        head = None if args.verifier is None else target_lm_head(args.verifier)
+        return export_dflash(drafter, args.output_dir, target_lm_head=head)
     if args.to == "speculators":
         return export_speculators(drafter, args.output_dir, args.verifier)
     if args.to == "transformers":

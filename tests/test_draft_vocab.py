@@ -16,7 +16,14 @@ from test_checkpoint import run_fresh
 from test_training import assert_training_transition_reproduces_decoding
 
 import modeling_carryover as mc
-from hub.convert import export_dflash, export_speculators, export_transformers, import_drafter
+from hub.convert import (
+    ConvertArguments,
+    convert,
+    export_dflash,
+    export_speculators,
+    export_transformers,
+    import_drafter,
+)
 from trainer.build import DrafterArguments, build_drafter, draft_vocab_from_rows
 
 DRAFT_VOCAB = 40  # of the tiny target's 96 tokens: its greedy responses also use tokens outside
@@ -186,6 +193,26 @@ def test_formats_without_a_token_map_refuse_a_draft_vocabulary(export, tmp_path)
     drafter = make_drafter(target, draft_vocab_size=16)
     with pytest.raises(ValueError, match="no draft-vocabulary token map"):
         export(drafter, tmp_path / "out")
+
+
+def test_dflash_export_with_the_target_head_writes_its_rows_and_the_map(tmp_path):
+    """`--to dflash --verifier <target>` (what stock vLLM DFlash serves: evaluation/bench_serving.py's column) writes a
+    draft vocabulary with speculators' map and the drafter's own head, the target LM head's rows of the draft tokens."""
+    target = make_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    drafter = make_drafter(target, draft_vocab_size=16)
+    ids = torch.arange(0, 96, 6)  # [16] target ids
+    drafter.set_draft_vocab(ids)
+    drafter.save_pretrained(tmp_path / "drafter")
+    args = ConvertArguments(
+        str(tmp_path / "drafter"), str(tmp_path / "out"), to="dflash", verifier=str(tmp_path / "target")
+    )
+    folder = convert(args)
+    config = json.loads((folder / "config.json").read_text())
+    weights = load_file(folder / "model.safetensors")
+    assert (config["architectures"], config["draft_vocab_size"]) == (["DFlashDraftModel"], 16)
+    assert torch.equal(weights["lm_head.weight"], target.lm_head.weight[ids])  # [16, d]
+    assert torch.equal(weights["d2t"] + torch.arange(16), ids) and torch.equal(weights["t2d"].nonzero()[:, 0], ids)
 
 
 def test_run_cli_computes_the_map_and_carryover_keeps_it(tmp_path):
