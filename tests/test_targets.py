@@ -43,18 +43,21 @@ def test_embedded_target_from_an_empty_cache(tmp_path, monkeypatch):
     load_target(None, tokenizer=False)
     assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
 
-    # the drafter shipped for it (hub/embedded; its code files link to modeling_carryover/, so they never drift):
-    # loads from its folder, fits this target, is small (bf16, under 20 MB) and decodes losslessly
+    # the drafters shipped for it (hub/embedded; their code files link to modeling_carryover/, so they never drift):
+    # each loads from its folder, fits this target, is small (bf16, under 20 MB) and decodes losslessly, carryover on
+    # in the carryover continuation only
     from pathlib import Path
 
     from transformers import AutoModel
 
     import modeling_carryover as mc
 
-    shipped = Path(__file__).parents[1] / "hub" / "embedded" / "smollm2-135m-instruct" / "dflash-baseline"
-    drafter = AutoModel.from_pretrained(shipped, trust_remote_code=True, dtype=torch.float32).eval()
-    drafter.check_target(target.config)
-    assert (shipped / "model.safetensors").stat().st_size < 20e6 and drafter.config.draft_vocab_size == 8192
     expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
-    out = mc.generate(target, **inputs, assistant_model=drafter, max_new_tokens=24, do_sample=False)
-    assert torch.equal(out, expected) and drafter.generation_stats.num_rounds > 0
+    for name in ("baseline", "carryover", "control"):
+        shipped = Path(__file__).parents[1] / "hub" / "embedded" / "smollm2-135m-instruct" / f"dflash-{name}"
+        drafter = AutoModel.from_pretrained(shipped, trust_remote_code=True, dtype=torch.float32).eval()
+        drafter.check_target(target.config)
+        assert (shipped / "model.safetensors").stat().st_size < 20e6 and drafter.config.draft_vocab_size == 8192
+        assert drafter.config.carryover == (name == "carryover")
+        out = mc.generate(target, **inputs, assistant_model=drafter, max_new_tokens=24, do_sample=False)
+        assert torch.equal(out, expected) and drafter.generation_stats.num_rounds > 0, name
