@@ -502,10 +502,10 @@ def test_carry_embedding_moves_and_is_used():
 def test_carryover_interface_ablations_train_and_decode(interface):
     """Table 3b's markers: switching a trained drafter's interface keeps every shared weight; carryover training then
     trains the projector (or runs with no marker at all), and decoding stays lossless."""
-    from trainer.build import switch_carryover_interface
+    from trainer.build import extend_drafter
 
     target, trained, dataset = trained_drafter("llama", 4, 0)
-    drafter = switch_carryover_interface(trained, interface)
+    drafter = extend_drafter(trained, carryover_interface=interface)
     before = drafter.state_dict()
     for name, weight in trained.state_dict().items():
         if name != "carry_embedding":
@@ -516,6 +516,26 @@ def test_carryover_interface_ablations_train_and_decode(interface):
     if interface == "projector":
         assert drafter.carry_proj.weight.abs().sum() > 0  # it started at zero and learned
     assert any(r.carried for r in lossless_rounds(target, drafter, dataset, num_prompts=3, max_new_tokens=40))
+
+
+def test_markov_head_warm_starts_from_a_dflash_checkpoint(tmp_path):
+    """`--drafter_checkpoint <DFlash drafter> --markov_rank r`: the Markov variant starts as the checkpoint (zero
+    correction: the same drafts round by round), its objectives then train the new head, decoding stays lossless;
+    a trained Markov head is not resized."""
+    from trainer.build import DrafterArguments, build_drafter
+
+    target, trained, dataset = trained_drafter("llama", 4, 0)
+    trained.save_pretrained(tmp_path / "dflash")
+    drafter = build_drafter(target, DrafterArguments(drafter_checkpoint=str(tmp_path / "dflash"), markov_rank=4))
+    assert drafter.config.markov_rank == 4 and drafter.markov_proj.weight.abs().max() == 0
+    trained_rounds = [r.drafts for r in lossless_rounds(target, trained, dataset, num_prompts=3, max_new_tokens=40)]
+    assert [r.drafts for r in lossless_rounds(target, drafter, dataset, num_prompts=3, max_new_tokens=40)] == trained_rounds
+    train_drafter(target, drafter, dataset, epochs=1)
+    assert drafter.markov_proj.weight.abs().max() > 0
+    lossless_rounds(target, drafter, dataset, num_prompts=3, max_new_tokens=40)
+    drafter.save_pretrained(tmp_path / "markov")
+    with pytest.raises(ValueError, match="markov_rank"):
+        build_drafter(target, DrafterArguments(drafter_checkpoint=str(tmp_path / "markov"), markov_rank=8))
 
 
 def test_init_from_target_starts_lower():

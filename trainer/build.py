@@ -34,7 +34,9 @@ ARCHITECTURE_FIELDS = {
 @dataclass
 class DrafterArguments:
     """The drafter's architecture (a new drafter; unset fields take the defaults in brackets) or a checkpoint to
-    continue from (then only `carryover_interface` may differ from the checkpoint's: the ablation interfaces)."""
+    continue from. A checkpoint's architecture stays, with two exceptions that start exactly as the checkpoint:
+    `carryover_interface` (the ablation interfaces) and `markov_rank` on a checkpoint without a Markov head (the
+    Markov variant warm-started from a DFlash drafter)."""
 
     drafter_checkpoint: str | None = field(
         default=None,
@@ -118,13 +120,16 @@ def load_or_create_drafter(target, args: DrafterArguments, rows: Dataset | None 
     drafter = CarryoverDrafterModel.from_pretrained(args.drafter_checkpoint, dtype=torch.float32)
     drafter.check_target(target.config)
     changed = {k: v for k, v in args.overrides().items() if getattr(drafter.config, k) != v}
-    interface = changed.pop("carryover_interface", None)
+    extension = {k: changed.pop(k) for k in ("carryover_interface", "markov_rank") if k in changed}
+    if extension.get("markov_rank") is not None and drafter.config.markov_rank:
+        changed["markov_rank"] = extension.pop("markov_rank")  # a trained Markov head is not resized
     if changed:
         raise ValueError(
             f"{args.drafter_checkpoint} has {', '.join(f'{k}={getattr(drafter.config, k)!r}' for k in changed)}; "
-            f"the arguments ask for {changed}. A checkpoint's architecture cannot change (only carryover_interface)."
+            f"the arguments ask for {changed}. A checkpoint's architecture cannot change (only carryover_interface, "
+            "and markov_rank on a drafter without a Markov head)."
         )
-    return switch_carryover_interface(drafter, interface) if interface else drafter
+    return extend_drafter(drafter, **extension) if extension else drafter
 
 
 def eos_token_ids(target) -> list[int]:
@@ -155,15 +160,18 @@ def draft_vocab_from_rows(rows: Dataset, size: int, vocab_size: int, always: lis
     return chosen
 
 
-def switch_carryover_interface(drafter: CarryoverDrafterModel, interface: str) -> CarryoverDrafterModel:
-    """The same drafter with another carryover marker (Table 3b's ablation): every shared weight is kept, the new
-    marker starts at zero (so the drafter starts as with no marker), the old one is dropped."""
+def extend_drafter(drafter: CarryoverDrafterModel, **changes) -> CarryoverDrafterModel:
+    """The same drafter with another carryover marker (Table 3b's ablation: `carryover_interface`) or a new Markov
+    head (`markov_rank`, on a drafter without one). Every shared weight is kept; the new marker and the Markov
+    correction W2 start at zero, so the extended drafter drafts exactly as the original; an old marker is dropped."""
     config = copy.deepcopy(drafter.config)
-    config.carryover_interface = interface
-    switched = CarryoverDrafterModel(config)
-    missing, _ = switched.load_state_dict(drafter.state_dict(), strict=False)
-    assert all(key.startswith(("carry_embedding", "carry_proj")) for key in missing), missing
-    return switched
+    for key, value in changes.items():
+        setattr(config, key, value)
+    extended = CarryoverDrafterModel(config)
+    missing, _ = extended.load_state_dict(drafter.state_dict(), strict=False)
+    new_parts = ("carry_embedding", "carry_proj", "markov_embed", "markov_proj", "confidence_head")
+    assert all(key.startswith(new_parts) for key in missing), missing
+    return extended
 
 
 def load_training_rows(path: str, num_shards: int | None = None) -> Dataset:
