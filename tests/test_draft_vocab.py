@@ -238,3 +238,26 @@ def test_run_cli_computes_the_map_and_carryover_keeps_it(tmp_path):
     assert torch.equal(trainer.model.draft_token_ids, baseline.draft_token_ids)
     with pytest.raises(ValueError, match="draft_vocab_size"):
         run_main(cli(tmp_path / "other", "--drafter_checkpoint", str(tmp_path / "baseline"), "--draft_vocab_size", "20"))
+
+
+def test_markov_l1_with_a_draft_vocabulary_is_the_full_vocabulary_distance():
+    """The Markov L1 term on a draft vocabulary (sum over draft tokens of |q - p| plus the target's mass outside them)
+    equals sum_v |q_v - p_v| over the whole vocabulary with q = 0 outside, computed by hand; so does it without one."""
+    from trainer.objectives import slot_terms, target_scored_distribution
+
+    target = make_target("llama")
+    lm_head = target.get_output_embeddings()
+    for draft_vocab_size in (DRAFT_VOCAB, None):
+        drafter = make_drafter(target, block_size=4, markov_rank=4, draft_vocab_size=draft_vocab_size)
+        torch.manual_seed(0)
+        torch.nn.init.normal_(drafter.markov_proj.weight)
+        d, V = drafter.config.hidden_size, target.config.vocab_size
+        hidden, target_hidden = torch.randn(2, 3, 4, d), torch.randn(2, 3, 4, d)
+        labels, previous = torch.randint(V, (2, 3, 4)), torch.randint(V, (2, 3, 4))
+        with torch.no_grad():
+            _, _, l1, _ = slot_terms(drafter, lm_head, hidden, labels, previous, *target_scored_distribution(drafter, lm_head, target_hidden))
+            logits = drafter.draft_logits(lm_head, hidden) + drafter.markov_correction(previous)
+            q = drafter.full_vocab_logits(logits).softmax(-1)  # 0 outside the draft vocabulary
+            p = lm_head(target_hidden).softmax(-1)
+        assert (q > 0).sum(-1).max() == (draft_vocab_size or V)
+        torch.testing.assert_close(l1, (q - p).abs().sum(-1), rtol=1e-5, atol=1e-5)

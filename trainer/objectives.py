@@ -132,13 +132,26 @@ def apply_lm_head(lm_head, hidden):
     return lm_head(hidden.to(lm_head.weight.dtype)).float()
 
 
-def slot_terms(module, lm_head, hidden, labels, prev_token_ids, target_hidden):
+@torch.no_grad()
+def target_scored_distribution(module, lm_head, target_hidden):
+    """The target's next-token distribution on the drafter's scored tokens, and its mass outside them (0 without a
+    draft vocabulary), for the L1 term. target_hidden [..., d] -> [..., scored_vocab_size], [...]"""
+    probs = apply_lm_head(lm_head, target_hidden).softmax(-1)
+    if module.draft_token_ids is None:
+        return probs, probs.new_zeros(probs.shape[:-1])
+    scored = probs.index_select(-1, module.draft_token_ids.to(probs.device))
+    return scored, (probs.sum(-1) - scored.sum(-1)).clamp(min=0)
+
+
+def slot_terms(module, lm_head, hidden, labels, prev_token_ids, target_probs=None, target_outside_mass=None):
     """Per-slot loss terms of a chunk of blocks, each [S, n, c]: cross-entropy and correctness, plus for the Markov
-    head the L1 distance to the target's distribution and the confidence BCE against clamp(1 - 0.5 L1, 0, 1).
+    head the L1 distance to the target's distribution (`target_scored_distribution`) and the confidence BCE against
+    clamp(1 - 0.5 L1, 0, 1).
 
     With a draft vocabulary the logits cover its tokens only: a label outside it gets CE 0 (`block_losses` gives it
-    no weight) and counts as not correct; the L1 runs over the full vocabulary with q = 0 outside the draft
-    vocabulary (the target's mass there counts in full), so 1 - 0.5 L1 stays the exact acceptance probability."""
+    no weight) and counts as not correct; the L1 is over the full vocabulary with q = 0 outside the draft vocabulary,
+    i.e. sum over the draft tokens of |q - p| plus the target's mass outside them, so 1 - 0.5 L1 stays the exact
+    acceptance probability (without a [..., full vocabulary] softmax of q, or its gradient)."""
     logits = module.draft_logits(lm_head, hidden)  # [S, n, c, V']: the big tensor, recomputed in backward
     if module.config.markov_rank:
         logits = logits + module.markov_correction(prev_token_ids).float()
@@ -148,9 +161,7 @@ def slot_terms(module, lm_head, hidden, labels, prev_token_ids, target_hidden):
     correct = (module.to_target_ids(logits.argmax(-1)) == labels).float()
     if not module.config.markov_rank:
         return ce, correct
-    with torch.no_grad():
-        target_probs = apply_lm_head(lm_head, target_hidden).softmax(-1)
-    l1 = (module.full_vocab_logits(logits).softmax(-1) - target_probs).abs().sum(-1)  # in [0, 2]
+    l1 = (logits.softmax(-1) - target_probs).abs().sum(-1) + target_outside_mass  # in [0, 2]
     confidence_target = (1 - 0.5 * l1).clamp(0, 1).detach()
     confidence = module.confidence(hidden, prev_token_ids).float().clamp(1e-6, 1 - 1e-6)
     bce = F.binary_cross_entropy(confidence, confidence_target, reduction="none")
@@ -173,7 +184,9 @@ def block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, 
     weights = position_weights(labels.shape[-1], settings.gamma, hidden.device) * learnable  # [S, N, c]
     totals, num_correct = None, 0
     for part in chunks(labels.shape[1], settings.chunk_size):
-        inputs = (hidden[:, part], labels[:, part], prev_token_ids[:, part], None if target_hidden is None else target_hidden[:, part])
+        inputs = (hidden[:, part], labels[:, part], prev_token_ids[:, part])
+        if target_hidden is not None:  # the target's side of the L1 term: once, outside the recomputed function
+            inputs += target_scored_distribution(module, lm_head, target_hidden[:, part])
         if hidden.requires_grad:
             ce, correct, *markov = checkpoint(slot_terms, module, lm_head, *inputs, use_reentrant=False)
         else:
