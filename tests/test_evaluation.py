@@ -373,3 +373,30 @@ def test_drafters_load_in_the_evaluation_dtype_with_fp32_rope(workspace):
     new = bench_decoding.benchmark_drafter(bench_decoding.BenchArguments(drafter="new", num_draft_layers=1), target, torch.bfloat16)
     assert new.dtype == torch.bfloat16
     assert all(b.dtype == torch.float32 for name, b in new.named_buffers() if name.endswith("inv_freq"))
+
+
+def test_bench_verify_reports_break_even_from_its_measurements(workspace, tmp_path):
+    """evaluation/bench_verify.py: forwards of 1..n tokens per dtype, drafting per round of k drafts in real decoding,
+    and tau* = (drafting + verifying k drafts) / plain step, from exactly those measurements."""
+    from evaluation import bench_verify
+
+    output = tmp_path / "verify.json"
+    before = torch.get_num_threads()
+    try:
+        report = bench_verify.main([
+            "--target", str(workspace / "target"), "--drafter", str(workspace / "carryover"),
+            "--benchmark", str(workspace / "bench"), "--subset", "alpha", "--num_prompts", "2",
+            "--max_new_tokens", "12", "--dtypes", "float32", "bfloat16", "--thread_counts", "1",
+            "--cache_length", "16", "--max_tokens", "4", "--repeats", "3", "--draft_counts", "1", "3", "7",
+            "--output", str(output),
+        ])
+    finally:
+        torch.set_num_threads(before)
+    assert json.loads(output.read_text()) == json.loads(json.dumps(report))
+    assert [(e["dtype"], e["threads"]) for e in report["results"]] == [("float32", 1), ("bfloat16", 1)]
+    for entry in report["results"]:
+        forward, drafting = entry["target_forward_ms"], entry["draft_ms_per_round"]
+        assert sorted(forward) == [1, 2, 3, 4] and all(ms > 0 for ms in forward.values())
+        assert sorted(drafting) == [1, 3]  # block 4: at most 3 drafts a round; 7 is dropped
+        for k, tau in entry["break_even_tau"].items():
+            assert tau == pytest.approx((drafting[k] + forward[k + 1]) / forward[1])
