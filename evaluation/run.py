@@ -16,8 +16,9 @@ Outputs in `output_dir`:
   performance.csv   subset, temperature, drafter, prompts, generated_tokens, seconds, tokens_per_second, speedup,
                     mismatches, rounds, t_draft, t_verify (mean seconds per round); subset "all" = micro-average
   report.json       {"results": [...], "provenance": {...}}
-  table.md          Table 1 layout: tau and speedup per subset and temperature, gains vs `baseline_name` (tau gains
-                    with a 95% paired bootstrap interval over prompts; also `tau_gain_ci95` in report.json)
+  table.md          Table 1 layout: tau and speedup per subset and temperature, gains vs `baseline_name`, or per
+                    `--gains NAME=REFERENCE` pair (tau gains with a 95% paired bootstrap interval over prompts; also
+                    `tau_gain`, `tau_gain_ci95` and `gain_reference` in report.json)
   tau.png, acceptance_by_position.png, latency.png
 """
 
@@ -66,6 +67,11 @@ class EvalArguments:
     seed: int = field(default=0, metadata={"help": "T>0: prompt i is sampled with torch seed `seed + i`."})
     warmup: int = field(default=1, metadata={"help": "Unrecorded warmup generations per method (<= 32 new tokens)."})
     baseline_name: str = field(default="baseline", metadata={"help": "Drafter that table.md computes gains against."})
+    gains: list[str] | None = field(
+        default=None,
+        metadata={"help": "NAME=REFERENCE pairs instead: the gain of each NAME against its own REFERENCE, e.g. "
+                  "carryover=control markov-carryover=markov-control (two variants in one run)."},
+    )
     output_dir: str = field(default="outputs/eval")
     device: str | None = field(default=None, metadata={"help": "Default: cuda if available, else cpu."})
     dtype: str = field(default="float32", metadata={"help": "Target and drafter dtype (float32, bfloat16, float16)."})
@@ -263,9 +269,25 @@ def with_totals(tallies) -> dict:
     return {**tallies, **totals}
 
 
+def gain_references(args, drafter_names) -> dict[str, str]:
+    """{drafter: the drafter its gains are against}: the `--gains` pairs, else every drafter against `baseline_name`
+    (none if that drafter was not run)."""
+    if not args.gains:
+        return {name: args.baseline_name for name in drafter_names if args.baseline_name in drafter_names and name != args.baseline_name}
+    references = {}
+    for pair in args.gains:
+        name, sep, reference = pair.partition("=")
+        unknown = {name, reference} - set(drafter_names)
+        if not sep or unknown or name == reference:
+            raise ValueError(f"--gains {pair!r}: expected NAME=REFERENCE, two different drafters of --drafters {list(drafter_names)}.")
+        references[name] = reference
+    return references
+
+
 def summarize(tallies, drafters, args) -> list[dict]:
     """One result per (method, subset, temperature); subset "all" is the micro-average over subsets."""
     tallies = with_totals(tallies)
+    references = gain_references(args, list(drafters))
     subsets = list(dict.fromkeys(subset for _, subset, _ in tallies))
     results = []
     for temperature in args.temperatures:
@@ -301,10 +323,13 @@ def summarize(tallies, drafters, args) -> list[dict]:
                 }
             for name in drafters:
                 add_latency_model(rows[name], rows, drafters)
-                if args.baseline_name in drafters and name != args.baseline_name:
-                    reference = tallies[args.baseline_name, subset, temperature]
-                    rows[name]["tau_gain"] = rows[name]["acceptance_length"] / rows[args.baseline_name]["acceptance_length"] - 1
-                    rows[name]["tau_gain_ci95"] = tau_gain_ci(tallies[name, subset, temperature].per_prompt, reference.per_prompt)
+                if name in references:
+                    reference = references[name]
+                    rows[name]["gain_reference"] = reference
+                    rows[name]["tau_gain"] = rows[name]["acceptance_length"] / rows[reference]["acceptance_length"] - 1
+                    rows[name]["tau_gain_ci95"] = tau_gain_ci(
+                        tallies[name, subset, temperature].per_prompt, tallies[reference, subset, temperature].per_prompt
+                    )
             results += rows.values()
     return results
 
@@ -366,9 +391,9 @@ def gain(value, reference, interval=None) -> str:
     return f" ({100 * (value / reference - 1):+.1f}%{bounds})"
 
 
-def markdown_table(results, drafter_names, baseline_name) -> str:
-    """Table 1's layout: rows = subsets (+ All), per temperature tau and speedup of each drafter, the non-baseline
-    ones with their relative gain over `baseline_name` when it was run (tau: with its 95% bootstrap interval)."""
+def markdown_table(results, drafter_names) -> str:
+    """Table 1's layout: rows = subsets (+ All), per temperature tau and speedup of each drafter, with the relative
+    gain over its `gain_reference` where it has one (tau: with its 95% bootstrap interval)."""
     temperatures = list(dict.fromkeys(row["temperature"] for row in results))
     subsets = list(dict.fromkeys(row["subset"] for row in results))
     by_key = {(row["drafter"], row["subset"], row["temperature"]): row for row in results}
@@ -381,10 +406,10 @@ def markdown_table(results, drafter_names, baseline_name) -> str:
         cells = ["All (micro)" if subset == "all" else subset]
         for temperature in temperatures:
             for metric, unit in (("acceptance_length", ""), ("speedup", "×")):
-                base = by_key.get((baseline_name, subset, temperature))
                 for name in drafter_names:
                     row = by_key[name, subset, temperature]
-                    reference = base[metric] if base is not None and name != baseline_name else None
+                    base = by_key.get((row.get("gain_reference"), subset, temperature))
+                    reference = base[metric] if base is not None else None
                     interval = row.get("tau_gain_ci95") if metric == "acceptance_length" else None
                     cells.append(f"{row[metric]:.2f}{unit}{gain(row[metric], reference, interval)}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -457,6 +482,7 @@ def provenance(settings: dict, device) -> dict:
 def main(argv=None) -> dict:
     (args,) = parse_arguments(EvalArguments, argv)
     specs = [parse_drafter(spec) for spec in args.drafters]
+    gain_references(args, [spec.name for spec in specs])  # a bad --gains pair fails before any decoding
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
     benchmark = load_benchmark(args.benchmark, args.subsets, args.limit)
@@ -475,7 +501,7 @@ def main(argv=None) -> dict:
                 "subset_sizes": {name: len(prompts) for name, prompts in benchmark.items()}}
     report = {"results": results, "provenance": provenance(settings, device)}
     (output_dir / "report.json").write_text(to_json(report))
-    (output_dir / "table.md").write_text(markdown_table(results, list(drafters), args.baseline_name))
+    (output_dir / "table.md").write_text(markdown_table(results, list(drafters)))
     plot_tau(results, output_dir / "tau.png")
     plot_acceptance_by_position(results, output_dir / "acceptance_by_position.png")
     plot_latency(results, output_dir / "latency.png")

@@ -400,3 +400,24 @@ def test_bench_verify_reports_break_even_from_its_measurements(workspace, tmp_pa
         assert sorted(drafting) == [1, 3]  # block 4: at most 3 drafts a round; 7 is dropped
         for k, tau in entry["break_even_tau"].items():
             assert tau == pytest.approx((drafting[k] + forward[k + 1]) / forward[1])
+
+
+def test_gains_against_each_drafters_own_reference(workspace, tmp_path):
+    """--gains NAME=REFERENCE: each drafter's gain against its own reference (two variants against their controls in
+    one run, sharing plain decoding), in report.json and table.md; a bad pair fails before any decoding."""
+    pairs = ["--gains", "carryover=carryover-off", "carryover-off=baseline"]
+    argv = eval_argv(workspace, tmp_path / "out", temperatures=("0",)) + ["--limit", "2"]
+    report = run.main(argv + pairs)
+    results = {(r["drafter"], r["subset"]): r for r in report["results"]}
+    table = (tmp_path / "out" / "table.md").read_text()
+    for subset in [*SUBSETS, "all"]:
+        on, off, base = (results[name, subset] for name in ("carryover", "carryover-off", "baseline"))
+        assert on["gain_reference"] == "carryover-off" and off["gain_reference"] == "baseline"
+        assert on["tau_gain"] == pytest.approx(on["acceptance_length"] / off["acceptance_length"] - 1)
+        assert off["tau_gain"] == pytest.approx(off["acceptance_length"] / base["acceptance_length"] - 1)
+        assert "tau_gain" not in base and "gain_reference" not in base
+        row = next(line for line in table.splitlines() if line.startswith(f"| {'All (micro)' if subset == 'all' else subset} |"))
+        assert f"{off['acceptance_length']:.2f} ({100 * off['tau_gain']:+.1f}% [" in row
+    for bad in (["carryover=nobody"], ["carryover"], ["baseline=baseline"]):
+        with pytest.raises(ValueError, match="--gains"):
+            run.main(argv + ["--gains", *bad])
