@@ -447,3 +447,29 @@ def test_rows_without_an_anchor_are_dropped_with_a_warning(caplog):
 
     _, anchor_valid = sample_anchors(pad_collator(list(kept))["loss_mask"], num_anchors=4)
     assert anchor_valid.any()
+
+
+def test_heldout_prompts_avoid_every_training_prompt(taught_target, tmp_path):
+    """evaluation/heldout.py on a real regenerated folder: python-code tasks on functions no training prompt names,
+    and Magpie prompts sampled from the target that equal no training prompt, as a benchmark folder."""
+    from evaluation import heldout
+    from evaluation.benchmarks import load_benchmark
+
+    code = python_code_prompts(3, seed=0)
+    data = regenerate(taught_target, TOK, ["hello", "count to three", *code], tmp_path / "data", max_new_tokens=4)
+    training_names = {name for prompt in data["prompt"] for name in heldout.FUNCTION_NAME.findall(prompt)}
+    assert len(training_names) >= 1 and "hello" in data["prompt"]
+    taught_target.save_pretrained(tmp_path / "target")
+    TOK.save_pretrained(tmp_path / "target")
+    subsets = heldout.main([
+        "--data_dir", str(tmp_path / "data"), "--output_dir", str(tmp_path / "heldout"), "--num_prompts", "3",
+        "--target", str(tmp_path / "target"), "--magpie_max_new_tokens", "24", "--magpie_batch_size", "8",
+    ])
+    assert load_benchmark(str(tmp_path / "heldout")) == subsets
+    names = [heldout.FUNCTION_NAME.findall(prompt)[0] for prompt in subsets["python_code"]]
+    assert len(names) == 3 and not set(names) & training_names
+    assert subsets["python_code"] == python_code_prompts(3, seed=1, skip_names=training_names)
+    # the target has memorised four user turns; the two the training data used are never held out
+    assert subsets["magpie"] and set(subsets["magpie"]) <= {"name a color", "say nothing"}
+    with pytest.raises(ValueError, match="held-out subsets"):
+        heldout.main(["--data_dir", str(tmp_path / "data"), "--subsets", "humaneval"])

@@ -260,8 +260,8 @@ def test_yaml_config_and_a_peft_adapter_on_the_target(tiny_setup, tmp_path):
 @pytest.mark.parametrize(
     "module, argv",
     [("trainer.run", []), ("trainer.regenerate", []), ("trainer.features", []), ("trainer.bench_training", []),
-     ("evaluation.run", []), ("evaluation.analyze", ["recall"]), ("evaluation.bench_decoding", []), ("hub.publish", []),
-     ("hub.vllm_plugin", [])],
+     ("evaluation.run", []), ("evaluation.analyze", ["recall"]), ("evaluation.bench_decoding", []),
+     ("evaluation.heldout", []), ("hub.publish", []), ("hub.vllm_plugin", [])],
 )
 def test_every_cli_takes_a_thread_setting(module, argv, capsys):
     import importlib

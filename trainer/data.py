@@ -312,16 +312,17 @@ def _documented_functions(path: Path):
         yield node.name, ast.unparse(node.args), doc if doc.endswith(".") else doc + "."
 
 
-def python_code_prompts(num_prompts: int, seed: int = 0) -> list:
+def python_code_prompts(num_prompts: int, seed: int = 0, skip_names: Iterable[str] = ()) -> list:
     """Coding tasks made from the documented public functions of Python's standard library on this machine.
 
     Each task names a function, its signature and the first paragraph of its docstring, in one of a few phrasings; a
     name is used once. Which functions are drawn depends only on `seed` and the Python version. They give the
-    drafter a good share of code to learn from without downloading a dataset or sampling the target.
+    drafter a good share of code to learn from without downloading a dataset or sampling the target. Functions named
+    in `skip_names` are never drawn (held-out tasks: `evaluation/heldout.py`).
     """
     root = Path(sysconfig.get_path("stdlib"))
     files = [p for p in sorted(root.rglob("*.py")) if not _STDLIB_SKIP.intersection(p.relative_to(root).parts)]
-    functions, seen = [], set()
+    functions, seen = [], set(skip_names)
     for path in files:
         for name, args, doc in _documented_functions(path):
             if name not in seen:
