@@ -39,10 +39,16 @@ train() {  # output_dir, extra flags...; resumes from the last checkpoint of an 
   python trainer/run.py "$RECIPE" --dataset "$DATA" --features "$FEATURES" \
     --output_dir "$out" --threads "$THREADS" "${resume[@]}" "$@"
 }
-# 3. The baseline (the recipe file) in two stages: 3 epochs on the first 1,024 responses (shards 0-3: the first
-# drafter shipped), then the recipe's epochs on all of them from those weights with a fresh schedule.
-train "$OUT/pilot" --dataset_shards 4 --num_train_epochs 3
-train "$OUT/baseline" --drafter_checkpoint "$OUT/pilot"
+# 3. The baseline. DFlash, in two stages: 3 epochs on the first 1,024 responses (shards 0-3: the first drafter
+# shipped), then the recipe's epochs on all of them from those weights with a fresh schedule. Markov: the DFlash
+# baseline with a new Markov head, trained for the recipe file's steps (run VARIANT=dflash first).
+if [ "$VARIANT" = dflash ]; then
+  train "$OUT/pilot" --dataset_shards 4 --num_train_epochs 3
+  train "$OUT/baseline" --drafter_checkpoint "$OUT/pilot"
+else
+  [ -f runs/smollm2-dflash/baseline/model.safetensors ] || { echo "Run VARIANT=dflash first: the Markov baseline starts from its baseline" >&2; exit 2; }
+  train "$OUT/baseline"
+fi
 # 4. Its two continuations of equal length: with carryover (the two-pass draft-verify-draft objective) and without
 # (the control), from the same weights and the same data order.
 continuation=(--drafter_checkpoint "$OUT/baseline" --max_steps "$CONTINUE_STEPS" --warmup_steps 0 --learning_rate 3e-4)
