@@ -2,6 +2,7 @@
 transformers folder from an empty cache, without importing the package (its `__init__` needs `llm` and `llama_cpp`,
 which the README's `--no-deps` install leaves out)."""
 
+import itertools
 import sys
 
 import pytest
@@ -44,8 +45,8 @@ def test_embedded_target_from_an_empty_cache(tmp_path, monkeypatch):
     assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
 
     # the drafters shipped for it (hub/embedded; their code files link to modeling_carryover/, so they never drift):
-    # each loads from its folder, fits this target, is small (bf16, under 20 MB) and decodes losslessly, carryover on
-    # in the carryover continuation only
+    # each loads from its folder, fits this target, is small (bf16: under 20 MB, 22 MB with the Markov head) and
+    # decodes losslessly, carryover on in the carryover continuations only
     from pathlib import Path
 
     from transformers import AutoModel
@@ -53,11 +54,13 @@ def test_embedded_target_from_an_empty_cache(tmp_path, monkeypatch):
     import modeling_carryover as mc
 
     expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
-    for name in ("baseline", "carryover", "control"):
-        shipped = Path(__file__).parents[1] / "hub" / "embedded" / "smollm2-135m-instruct" / f"dflash-{name}"
+    for variant, name in itertools.product(("dflash", "markov"), ("baseline", "carryover", "control")):
+        shipped = Path(__file__).parents[1] / "hub" / "embedded" / "smollm2-135m-instruct" / f"{variant}-{name}"
         drafter = AutoModel.from_pretrained(shipped, trust_remote_code=True, dtype=torch.float32).eval()
         drafter.check_target(target.config)
-        assert (shipped / "model.safetensors").stat().st_size < 20e6 and drafter.config.draft_vocab_size == 8192
+        assert (shipped / "model.safetensors").stat().st_size < (22e6 if variant == "markov" else 20e6)
+        assert drafter.config.draft_vocab_size == 8192
+        assert drafter.config.markov_rank == (32 if variant == "markov" else 0)
         assert drafter.config.carryover == (name == "carryover")
         out = mc.generate(target, **inputs, assistant_model=drafter, max_new_tokens=24, do_sample=False)
-        assert torch.equal(out, expected) and drafter.generation_stats.num_rounds > 0, name
+        assert torch.equal(out, expected) and drafter.generation_stats.num_rounds > 0, (variant, name)
