@@ -14,17 +14,21 @@ data the drafters were trained on.
 """
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.cli import parse_arguments
-from trainer.data import deduplicate, load_regenerated, python_code_prompts, synthesize_prompts, write_atomic
+from trainer.data import (
+    deduplicate,
+    load_regenerated,
+    python_code_names,
+    python_code_prompts,
+    synthesize_prompts,
+    write_atomic,
+)
 from trainer.targets import TargetArguments, load_target
 
 SUBSETS = ("python_code", "magpie")
-# every python-code phrasing writes the function as `name(...)`
-FUNCTION_NAME = re.compile(r"`(\w+)\(")
 
 
 @dataclass
@@ -40,8 +44,7 @@ class HeldoutArguments:
 
 def heldout_python_code(training_prompts: list[str], num_prompts: int, seed: int) -> list[str]:
     """Coding tasks on functions that no training prompt names."""
-    used = {name for prompt in training_prompts for name in FUNCTION_NAME.findall(prompt)}
-    return python_code_prompts(num_prompts, seed=seed, skip_names=used)
+    return python_code_prompts(num_prompts, seed=seed, skip_names=python_code_names(training_prompts))
 
 
 def heldout_magpie(target, tokenizer, training_prompts: list[str], args: HeldoutArguments) -> list[str]:

@@ -20,6 +20,7 @@ from trainer.data import (
     deduplicate,
     load_prompts,
     load_regenerated,
+    python_code_names,
     python_code_prompts,
     regenerate,
     synthesize_prompts,
@@ -457,7 +458,7 @@ def test_heldout_prompts_avoid_every_training_prompt(taught_target, tmp_path):
 
     code = python_code_prompts(3, seed=0)
     data = regenerate(taught_target, TOK, ["hello", "count to three", *code], tmp_path / "data", max_new_tokens=4)
-    training_names = {name for prompt in data["prompt"] for name in heldout.FUNCTION_NAME.findall(prompt)}
+    training_names = python_code_names(data["prompt"])
     assert len(training_names) >= 1 and "hello" in data["prompt"]
     taught_target.save_pretrained(tmp_path / "target")
     TOK.save_pretrained(tmp_path / "target")
@@ -466,8 +467,8 @@ def test_heldout_prompts_avoid_every_training_prompt(taught_target, tmp_path):
         "--target", str(tmp_path / "target"), "--magpie_max_new_tokens", "24", "--magpie_batch_size", "8",
     ])
     assert load_benchmark(str(tmp_path / "heldout")) == subsets
-    names = [heldout.FUNCTION_NAME.findall(prompt)[0] for prompt in subsets["python_code"]]
-    assert len(names) == 3 and not set(names) & training_names
+    names = python_code_names(subsets["python_code"])
+    assert len(names) == 3 and not names & training_names
     assert subsets["python_code"] == python_code_prompts(3, seed=1, skip_names=training_names)
     # the target has memorised four user turns; the two the training data used are never held out
     assert subsets["magpie"] and set(subsets["magpie"]) <= {"name a color", "say nothing"}

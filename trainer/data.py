@@ -292,6 +292,7 @@ _CODE_TASKS = (
     "Implement `{name}({args})` in Python. {doc} Explain your code briefly.",
     "{doc} Write this as a Python function named `{name}` with the signature `{name}({args})`.",
 )
+_CODE_TASK_NAME = re.compile(r"`(\w+)\(")  # every phrasing writes the function as `name(...)`
 
 
 def _documented_functions(path: Path):
@@ -333,6 +334,11 @@ def python_code_prompts(num_prompts: int, seed: int = 0, skip_names: Iterable[st
     if len(functions) < num_prompts:
         logger.warning("python-code: %d documented functions found (%d asked for)", len(functions), num_prompts)
     return [rng.choice(_CODE_TASKS).format(name=n, args=a, doc=d) for n, a, d in functions[:num_prompts]]
+
+
+def python_code_names(prompts: Iterable[str]) -> set:
+    """The functions that the python-code tasks among `prompts` name (for `python_code_prompts(skip_names=...)`)."""
+    return {name for prompt in prompts for name in _CODE_TASK_NAME.findall(prompt)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
