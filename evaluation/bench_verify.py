@@ -32,6 +32,7 @@ from transformers import DynamicCache
 from evaluation.benchmarks import encode_prompt, load_benchmark
 from evaluation.run import load_drafter
 from modeling_carryover import generate as carryover_generate
+from modeling_carryover.generation_carryover import _synchronize
 from trainer.cli import parse_arguments
 from trainer.targets import load_target
 
@@ -62,10 +63,10 @@ def forward_milliseconds(target, cache_length: int, num_tokens: int, repeats: in
         cache = DynamicCache(config=target.config)
         target(context, past_key_values=cache, use_cache=True)
         new = torch.randint(vocab_size, (1, num_tokens), generator=generator).to(target.device)
+        _synchronize(target.device)
         started = time.perf_counter()
         target(new, past_key_values=cache, use_cache=True)
-        if target.device.type == "cuda":
-            torch.cuda.synchronize()
+        _synchronize(target.device)
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
 
