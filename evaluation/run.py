@@ -20,9 +20,13 @@ Outputs in `output_dir`:
                     `--gains NAME=REFERENCE` pair (tau gains with a 95% paired bootstrap interval over prompts; also
                     `tau_gain`, `tau_gain_ci95` and `gain_reference` in report.json)
   tau.png, acceptance_by_position.png, latency.png
+  records.jsonl.gz  every prompt's results (tokens, seconds, mismatch and rounds per method), appended as each
+                    prompt finishes; `--resume true` continues an interrupted run from it (see RunRecords)
 """
 
 import csv
+import gzip
+import hashlib
 import json
 import math
 import os
@@ -30,7 +34,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -43,8 +47,9 @@ from evaluation.benchmarks import EMBEDDED, encode_prompt, load_benchmark
 from evaluation.plots import plot_acceptance_by_position, plot_latency, plot_tau
 from modeling_carryover import GenerationStats
 from modeling_carryover import generate as carryover_generate
-from modeling_carryover.generation_carryover import _synchronize, drafts_per_round
+from modeling_carryover.generation_carryover import DraftRound, _synchronize, drafts_per_round
 from trainer.cli import parse_arguments
+from trainer.features import weights_fingerprint
 from trainer.targets import load_target
 
 PLAIN = "plain"
@@ -77,6 +82,11 @@ class EvalArguments:
     dtype: str = field(default="float32", metadata={"help": "Target and drafter dtype (float32, bfloat16, float16)."})
     num_assistant_tokens: int | None = field(
         default=None, metadata={"help": "Drafts the target verifies per round (at most block_size - 1, the default)."}
+    )
+    resume: bool = field(
+        default=False,
+        metadata={"help": "Continue the run in output_dir: prompts its records.jsonl.gz holds are not decoded again "
+                  "(the target, drafters, prompts and decoding settings must be the same; threads may differ)."},
     )
 
 
@@ -151,6 +161,98 @@ class Tally:
             self.per_prompt + other.per_prompt,
         )
 
+    def add(self, result: dict):
+        """One prompt's result of this method (a `decode` result as `RunRecords` stores it)."""
+        rounds = rounds_from_columns(result["rounds"])
+        self.prompts += 1
+        self.tokens += result["tokens"]
+        self.seconds += result["seconds"]
+        self.mismatches += bool(result.get("mismatch"))
+        self.rounds += rounds
+        self.per_prompt.append((sum(r.accepted + 1 for r in rounds), len(rounds)))
+
+
+ROUND_COLUMNS = [f.name for f in fields(DraftRound) if f.name != "drafts"]  # the draft ids are left out: only replay needs them
+
+
+def rounds_to_columns(rounds) -> dict:
+    return {name: [getattr(r, name) for r in rounds] for name in ROUND_COLUMNS}
+
+
+def rounds_from_columns(columns: dict) -> list:
+    return [DraftRound(**dict(zip(columns, values))) for values in zip(*columns.values())]
+
+
+class RunRecords:
+    """Every prompt's results, appended to `output_dir/records.jsonl.gz` as soon as the prompt is done (one gzip
+    member per line: an interruption loses at most the prompt being written), so that a long run (the full
+    benchmarks at two temperatures take hours on a CPU) can be continued with `--resume true`, in a later session
+    too, or extended (a larger `--limit`, another subset or temperature). The first line is the run's identity
+    (`run_identity`), which a resumed run must share; each record names its prompt by a hash, so a record is only
+    reused for the same prompt."""
+
+    FILE = "records.jsonl.gz"
+
+    def __init__(self, output_dir: Path, identity: dict, resume: bool):
+        self.path = output_dir / self.FILE
+        self.done = {}  # (subset, temperature, prompt index) -> record
+        output_dir.mkdir(parents=True, exist_ok=True)
+        lines = self._read() if resume and self.path.exists() else []
+        if lines:
+            differing = sorted(key for key in identity.keys() | lines[0].keys() if identity.get(key) != lines[0].get(key))
+            if differing:
+                raise ValueError(
+                    f"--resume: {self.path} holds a run with other settings (they differ in {', '.join(differing)}). "
+                    "Resume with the same target, drafters and decoding settings, or choose another --output_dir (or "
+                    "drop --resume to start this one over)."
+                )
+            self.done = {(r["subset"], r["temperature"], r["index"]): r for r in lines[1:]}
+        # Rewritten whole: a fresh run starts over, and a resumed one drops a last line cut off by an interruption.
+        with gzip.open(self.path, "wt", encoding="utf-8") as file:
+            file.writelines(json.dumps(line) + "\n" for line in lines or [identity])
+
+    def _read(self) -> list[dict]:
+        lines = []
+        try:
+            with gzip.open(self.path, "rt", encoding="utf-8") as file:
+                for line in file:
+                    lines.append(json.loads(line))
+        except (EOFError, OSError, ValueError) as error:  # the last write was interrupted: keep what precedes it
+            print(f"{self.path}: kept its first {len(lines)} lines; the rest is unreadable ({error}).", file=sys.stderr)
+        return lines
+
+    def get(self, subset: str, temperature: float, index: int, prompt: str) -> dict | None:
+        """{method: result} recorded for this prompt, or None if it was not decoded yet."""
+        record = self.done.get((subset, temperature, index))
+        if record is not None and record["prompt"] != prompt_hash(prompt):
+            raise ValueError(
+                f"--resume: {self.path} holds another prompt {index} of subset {subset!r} than this benchmark; "
+                "resume with the same benchmark, or choose another --output_dir."
+            )
+        return None if record is None else record["methods"]
+
+    def add(self, subset: str, temperature: float, index: int, prompt: str, methods: dict):
+        record = {"subset": subset, "temperature": temperature, "index": index, "prompt": prompt_hash(prompt),
+                  "threads": torch.get_num_threads(), "methods": methods}
+        self.done[subset, temperature, index] = record
+        with gzip.open(self.path, "at", encoding="utf-8") as file:
+            file.write(json.dumps(record) + "\n")
+
+
+def prompt_hash(prompt: str) -> str:
+    return hashlib.sha256(prompt.encode()).hexdigest()[:16]
+
+
+def run_identity(args, target, drafters, device) -> dict:
+    """What every recorded number depends on, which a resumed run must share: the weights (fingerprints, not paths)
+    and the decoding settings. Prompts and temperatures are per record."""
+    return {
+        "target": weights_fingerprint(target),
+        "drafters": {name: [weights_fingerprint(model), carryover] for name, (model, carryover) in drafters.items()},
+        **{name: getattr(args, name) for name in ("max_new_tokens", "seed", "dtype", "num_assistant_tokens")},
+        "device": device.type,
+    }
+
 
 @torch.no_grad()
 def decode(target, inputs, drafter, carryover, temperature, max_new_tokens, seed, num_assistant_tokens=None):
@@ -173,11 +275,12 @@ def decode(target, inputs, drafter, carryover, temperature, max_new_tokens, seed
     return output[0, inputs["input_ids"].shape[1] :].tolist(), seconds, rounds
 
 
-def measure(target, tokenizer, drafters, benchmark, args) -> dict:
-    """{(method, subset, temperature): Tally}, plain decoding and each drafter interleaved per prompt."""
+def measure(target, tokenizer, drafters, benchmark, args, records: RunRecords) -> dict:
+    """{(method, subset, temperature): Tally}, plain decoding and each drafter interleaved per prompt; prompts that
+    `records` already holds (a resumed run) are taken from it."""
     methods = [PLAIN, *drafters]
     tallies = {}
-    if args.warmup:
+    if args.warmup and any(records.get(*key) is None for key in prompt_keys(benchmark, args.temperatures)):
         prompt = next(iter(benchmark.values()))[0]
         inputs = encode_prompt(tokenizer, prompt).to(target.device)
         for method in tqdm(methods * args.warmup, desc="warmup", leave=False):
@@ -191,28 +294,41 @@ def measure(target, tokenizer, drafters, benchmark, args) -> dict:
                 tallies[method, subset, temperature] = Tally()
             bar = tqdm(prompts, desc=f"{subset} T={temperature:g}")
             for index, prompt in enumerate(bar):
-                inputs = encode_prompt(tokenizer, prompt).to(target.device)
-                outputs = {}
-                for method in methods[index % len(methods) :] + methods[: index % len(methods)]:
-                    drafter, carryover = drafters.get(method, (None, None))
-                    tokens, seconds, rounds = decode(
-                        target, inputs, drafter, carryover, temperature, args.max_new_tokens, args.seed + index,
-                        args.num_assistant_tokens,
-                    )
-                    tally = tallies[method, subset, temperature]
-                    tally.prompts += 1
-                    tally.tokens += len(tokens)
-                    tally.seconds += seconds
-                    tally.rounds += rounds
-                    tally.per_prompt.append((sum(r.accepted + 1 for r in rounds), len(rounds)))
-                    outputs[method] = tokens
-                if temperature == 0:  # lossless: speculative greedy output == plain greedy output
-                    for name in drafters:
-                        tallies[name, subset, temperature].mismatches += outputs[name] != outputs[PLAIN]
+                results = records.get(subset, temperature, index, prompt)
+                if results is None:
+                    results = decode_prompt(target, tokenizer, drafters, prompt, temperature, index, args)
+                    records.add(subset, temperature, index, prompt, results)
+                for method in methods:
+                    tallies[method, subset, temperature].add(results[method])
                 bar.set_postfix(
                     {name: f"tau {tau(tallies[name, subset, temperature].rounds):.2f}" for name in drafters}
                 )
     return tallies
+
+
+def prompt_keys(benchmark, temperatures) -> list[tuple]:
+    """(subset, temperature, prompt index, prompt) of every decoding a run does per method."""
+    return [(subset, t, i, prompt) for subset, prompts in benchmark.items() for t in temperatures for i, prompt in enumerate(prompts)]
+
+
+def decode_prompt(target, tokenizer, drafters, prompt, temperature, index, args) -> dict:
+    """{method: result} of prompt `index`: plain decoding and every drafter back to back, in an order that rotates
+    with the index (no method always runs first), each seeded with `seed + index`; at T=0 each drafter's output is
+    compared with the plain greedy output."""
+    methods = [PLAIN, *drafters]
+    inputs = encode_prompt(tokenizer, prompt).to(target.device)
+    outputs, results = {}, {}
+    for method in methods[index % len(methods) :] + methods[: index % len(methods)]:
+        drafter, carryover = drafters.get(method, (None, None))
+        tokens, seconds, rounds = decode(
+            target, inputs, drafter, carryover, temperature, args.max_new_tokens, args.seed + index, args.num_assistant_tokens
+        )
+        outputs[method] = tokens
+        results[method] = {"tokens": len(tokens), "seconds": seconds, "rounds": rounds_to_columns(rounds)}
+    if temperature == 0:  # lossless: speculative greedy output == plain greedy output
+        for name in drafters:
+            results[name]["mismatch"] = outputs[name] != outputs[PLAIN]
+    return results
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -488,17 +604,19 @@ def main(argv=None) -> dict:
     benchmark = load_benchmark(args.benchmark, args.subsets, args.limit)
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)
     drafters = load_drafters(specs, target, dtype)
+    output_dir = Path(args.output_dir)
+    records = RunRecords(output_dir, run_identity(args, target, drafters, device), args.resume)
+    from_earlier_runs = sum(records.get(*key) is not None for key in prompt_keys(benchmark, args.temperatures))
 
-    tallies = measure(target, tokenizer, drafters, benchmark, args)
+    tallies = measure(target, tokenizer, drafters, benchmark, args, records)
     results = summarize(tallies, drafters, args)
 
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     write_acceptance_csvs(results, output_dir)
     write_performance_csv(results, output_dir / "performance.csv")
     settings = {**asdict(args), "drafters": [asdict(spec) for spec in specs],
                 "drafter_configs": {name: d.config.to_diff_dict() for name, (d, _) in drafters.items()},
-                "subset_sizes": {name: len(prompts) for name, prompts in benchmark.items()}}
+                "subset_sizes": {name: len(prompts) for name, prompts in benchmark.items()},
+                "prompts_from_earlier_runs": from_earlier_runs}
     report = {"results": results, "provenance": provenance(settings, device)}
     (output_dir / "report.json").write_text(to_json(report))
     (output_dir / "table.md").write_text(markdown_table(results, list(drafters)))

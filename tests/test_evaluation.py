@@ -1,6 +1,7 @@
 """The evaluation harness on tiny random models: benchmark loading, evaluation/run.py's outputs and their rules."""
 
 import csv
+import gzip
 import importlib.util
 import json
 import math
@@ -421,3 +422,40 @@ def test_gains_against_each_drafters_own_reference(workspace, tmp_path):
     for bad in (["carryover=nobody"], ["carryover"], ["baseline=baseline"]):
         with pytest.raises(ValueError, match="--gains"):
             run.main(argv + ["--gains", *bad])
+
+
+def read_records(output_dir: Path) -> list[dict]:
+    with gzip.open(output_dir / run.RunRecords.FILE, "rt") as file:
+        return [json.loads(line) for line in file]
+
+
+def test_an_interrupted_run_resumes_from_its_records(workspace, tmp_path):
+    """--resume true: the prompts in records.jsonl.gz are not decoded again (a record cut off by an interruption is
+    dropped and redone), and the resumed run reports what one uninterrupted run reports; a run with other settings or
+    other prompts is refused."""
+    whole = run.main(eval_argv(workspace, tmp_path / "whole") + ["--limit", "2"])
+
+    output_dir = tmp_path / "resumed"
+    run.main(eval_argv(workspace, output_dir) + ["--limit", "1"])  # stopped after the first prompt of each subset
+    first = {(r["subset"], r["temperature"], r["index"]): r for r in read_records(output_dir)[1:]}
+    assert len(first) == len(SUBSETS) * 2
+    with gzip.open(output_dir / run.RunRecords.FILE, "ab") as file:  # a write cut off by the interruption
+        file.write(gzip.compress(b'{"subset": "alpha", "temperature": 0.0, "ind')[:-12])
+
+    resumed = run.main(eval_argv(workspace, output_dir) + ["--limit", "2", "--resume", "true"])
+    records = read_records(output_dir)
+    assert first == {
+        key: r for r in records[1:] if (key := (r["subset"], r["temperature"], r["index"])) in first
+    }  # reused as recorded (their seconds too), not decoded again
+    assert len(records) == 1 + len(SUBSETS) * 2 * 2
+    assert resumed["provenance"]["settings"]["prompts_from_earlier_runs"] == len(first)
+    timing = {"seconds", "tokens_per_second", "speedup", "t_draft", "t_verify", "t_ar", "t_reuse", "predicted_speedup"}
+    for a, b in zip(whole["results"], resumed["results"], strict=True):
+        assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+
+    with pytest.raises(ValueError, match="differ in max_new_tokens"):
+        run.main(eval_argv(workspace, output_dir) + ["--limit", "2", "--resume", "true", "--max_new_tokens", "5"])
+    other_prompts = write_benchmark(tmp_path / "other-bench", {"alpha": 2, "gamma": 1, "beta": 1})  # beta's differ
+    argv = eval_argv(workspace, output_dir) + ["--resume", "true", "--benchmark", str(other_prompts)]
+    with pytest.raises(ValueError, match="another prompt 0 of subset 'beta'"):
+        run.main(argv)
