@@ -162,7 +162,7 @@ class Tally:
         )
 
     def add(self, result: dict):
-        """One prompt's result of this method (a `decode` result as `RunRecords` stores it)."""
+        """One prompt's result of this method, as `decode_prompt` returns and `RunRecords` stores it."""
         rounds = rounds_from_columns(result["rounds"])
         self.prompts += 1
         self.tokens += result["tokens"]
