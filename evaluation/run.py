@@ -207,9 +207,12 @@ class RunRecords:
                     "drop --resume to start this one over)."
                 )
             self.done = {(r["subset"], r["temperature"], r["index"]): r for r in lines[1:]}
-        # Rewritten whole: a fresh run starts over, and a resumed one drops a last line cut off by an interruption.
-        with gzip.open(self.path, "wt", encoding="utf-8") as file:
+        # Rewritten whole (through a temporary file, so an interruption here loses nothing): a fresh run starts over,
+        # and a resumed one drops a last line cut off by an interruption.
+        temporary = self.path.with_name(self.FILE + ".tmp")
+        with gzip.open(temporary, "wt", encoding="utf-8") as file:
             file.writelines(json.dumps(line) + "\n" for line in lines or [identity])
+        os.replace(temporary, self.path)
 
     def _read(self) -> list[dict]:
         lines = []
@@ -217,7 +220,10 @@ class RunRecords:
             with gzip.open(self.path, "rt", encoding="utf-8") as file:
                 for line in file:
                     lines.append(json.loads(line))
-        except (EOFError, OSError, ValueError) as error:  # the last write was interrupted: keep what precedes it
+        except (EOFError, OSError, ValueError) as error:
+            if not lines:
+                raise ValueError(f"--resume: {self.path} is not a readable records file ({error}).") from None
+            # the last write was interrupted: keep what precedes it
             print(f"{self.path}: kept its first {len(lines)} lines; the rest is unreadable ({error}).", file=sys.stderr)
         return lines
 

@@ -432,7 +432,7 @@ def read_records(output_dir: Path) -> list[dict]:
 def test_an_interrupted_run_resumes_from_its_records(workspace, tmp_path):
     """--resume true: the prompts in records.jsonl.gz are not decoded again (a record cut off by an interruption is
     dropped and redone), and the resumed run reports what one uninterrupted run reports; a run with other settings or
-    other prompts is refused."""
+    other prompts, or onto a file that is not a records file, is refused."""
     whole = run.main(eval_argv(workspace, tmp_path / "whole") + ["--limit", "2"])
 
     output_dir = tmp_path / "resumed"
@@ -459,3 +459,7 @@ def test_an_interrupted_run_resumes_from_its_records(workspace, tmp_path):
     argv = eval_argv(workspace, output_dir) + ["--resume", "true", "--benchmark", str(other_prompts)]
     with pytest.raises(ValueError, match="another prompt 0 of subset 'beta'"):
         run.main(argv)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / run.RunRecords.FILE).write_text("not a records file")
+    with pytest.raises(ValueError, match="not a readable records file"):
+        run.main(eval_argv(workspace, tmp_path / "foreign") + ["--limit", "1", "--resume", "true"])
