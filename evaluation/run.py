@@ -281,12 +281,14 @@ def decode(target, inputs, drafter, carryover, temperature, max_new_tokens, seed
     return output[0, inputs["input_ids"].shape[1] :].tolist(), seconds, rounds
 
 
-def measure(target, tokenizer, drafters, benchmark, args, records: RunRecords) -> dict:
-    """{(method, subset, temperature): Tally}, plain decoding and each drafter interleaved per prompt; prompts that
-    `records` already holds (a resumed run) are taken from it."""
+def measure(target, tokenizer, drafters, benchmark, args, records: RunRecords) -> tuple[dict, int]:
+    """({(method, subset, temperature): Tally}, how many prompts came from earlier runs): plain decoding and each
+    drafter interleaved per prompt; prompts that `records` already holds (a resumed run) are taken from it."""
     methods = [PLAIN, *drafters]
     tallies = {}
-    if args.warmup and any(records.get(*key) is None for key in prompt_keys(benchmark, args.temperatures)):
+    keys = prompt_keys(benchmark, args.temperatures)
+    from_earlier_runs = sum(records.get(*key) is not None for key in keys)
+    if args.warmup and from_earlier_runs < len(keys):
         prompt = next(iter(benchmark.values()))[0]
         inputs = encode_prompt(tokenizer, prompt).to(target.device)
         for method in tqdm(methods * args.warmup, desc="warmup", leave=False):
@@ -309,7 +311,7 @@ def measure(target, tokenizer, drafters, benchmark, args, records: RunRecords) -
                 bar.set_postfix(
                     {name: f"tau {tau(tallies[name, subset, temperature].rounds):.2f}" for name in drafters}
                 )
-    return tallies
+    return tallies, from_earlier_runs
 
 
 def prompt_keys(benchmark, temperatures) -> list[tuple]:
@@ -612,9 +614,8 @@ def main(argv=None) -> dict:
     drafters = load_drafters(specs, target, dtype)
     output_dir = Path(args.output_dir)
     records = RunRecords(output_dir, run_identity(args, target, drafters, device), args.resume)
-    from_earlier_runs = sum(records.get(*key) is not None for key in prompt_keys(benchmark, args.temperatures))
 
-    tallies = measure(target, tokenizer, drafters, benchmark, args, records)
+    tallies, from_earlier_runs = measure(target, tokenizer, drafters, benchmark, args, records)
     results = summarize(tallies, drafters, args)
 
     write_acceptance_csvs(results, output_dir)
