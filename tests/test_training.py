@@ -498,6 +498,44 @@ def test_carry_embedding_moves_and_is_used():
     assert (marked - unmarked).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("markov_rank", [0, 8])
+def test_first_pass_loss_weight_adds_the_baseline_loss_at_the_same_anchors(markov_rank):
+    """first_pass_loss_weight w: the carryover loss becomes second pass + w x the baseline loss of the first pass at
+    the same random anchors (loss and gradients), and the transition is unchanged; w = 0 is Algorithm 2 as published."""
+    import copy
+
+    from trainer.objectives import training_step_loss
+
+    target, cached, dataset = trained_drafter("llama", 4, markov_rank)
+    drafter = copy.deepcopy(cached)  # the cached drafter is shared with other tests: train a copy
+    rows = dataset.select(range(4))
+    batch = {
+        "input_ids": torch.tensor([row["input_ids"] for row in rows]),
+        "attention_mask": torch.ones(4, len(rows[0]["input_ids"]), dtype=torch.long),
+        "loss_mask": torch.tensor([row["loss_mask"] for row in rows]),
+    }
+
+    def loss_and_grads(carryover, weight):
+        drafter.zero_grad()
+        torch.manual_seed(0)  # the same anchors in every call
+        settings = LossSettings(gamma=4.0, first_pass_weight=weight)
+        loss, metrics = training_step_loss(drafter, target, batch, 8, settings, carryover=carryover)
+        loss.backward()
+        return loss.detach(), metrics, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in drafter.parameters()]
+
+    second, second_metrics, second_grads = loss_and_grads(True, 0.0)
+    first, _, first_grads = loss_and_grads(False, 0.0)
+    mixed, mixed_metrics, mixed_grads = loss_and_grads(True, 0.5)
+    torch.testing.assert_close(mixed, second + 0.5 * first)
+    for g_mixed, g_second, g_first in zip(mixed_grads, second_grads, first_grads):
+        torch.testing.assert_close(g_mixed, g_second + 0.5 * g_first, rtol=1e-4, atol=1e-6)
+    assert mixed_metrics["first_draft_accepted"] == second_metrics["first_draft_accepted"]
+    assert "first_pass_ce" in mixed_metrics and "first_pass_ce" not in second_metrics
+    assert 0 < second_metrics["first_draft_accepted"] < 3  # some drafts accepted, some rejected: rows are carried
+    trainer = train_drafter(target, drafter, dataset, carryover=True, epochs=1, first_pass_loss_weight=0.5)
+    assert any("first_pass_ce" in entry for entry in trainer.state.log_history)
+
+
 @pytest.mark.parametrize("interface", ["projector", "none"])
 def test_carryover_interface_ablations_train_and_decode(interface):
     """Table 3b's markers: switching a trained drafter's interface keeps every shared weight; carryover training then

@@ -56,6 +56,14 @@ class CarryoverArguments:
         },
     )
     carry_embedding_init_scale: float = field(default=0.1, metadata={"help": "Scale for carry_embedding_init=feature_rms."})
+    first_pass_loss_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "Carryover: weight of the first drafter pass's baseline loss (random anchors, no carried rows) "
+            "added to the second pass's. 0 is Algorithm 2 as published (gradients through the second pass only); > 0 "
+            "keeps the shared weights drafting well without carried rows while they learn to use them."
+        },
+    )
     verify_chunk_size: int = field(default=64, metadata={"help": "Anchors per packed target verification forward."})
 
 
@@ -116,6 +124,7 @@ class CarryoverTrainer(Trainer):
             markov_ce_weight=self.carryover_args.markov_ce_weight,
             markov_l1_weight=self.carryover_args.markov_l1_weight,
             confidence_weight=self.carryover_args.confidence_weight,
+            first_pass_weight=self.carryover_args.first_pass_loss_weight,
         )
         # The carryover marker trains only with carryover: the baseline objective gives it no gradient (and DDP
         # requires every trained parameter to get one).

@@ -120,6 +120,7 @@ class LossSettings:
     markov_l1_weight: float = 0.9
     confidence_weight: float = 1.0
     chunk_size: int = 64  # blocks per LM-head chunk in the loss
+    first_pass_weight: float = 0.0  # carryover: weight of the first pass's baseline loss (0: Algorithm 2 as published)
 
 
 def chunks(length: int, size: int):
@@ -236,9 +237,12 @@ class Transition:
 
 
 @torch.no_grad()
-def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded, anchor_positions, anchor_valid, chunk_size):
+def draft_verify(
+    drafter, target, embed_tokens, lm_head, batch: Batch, recorded, anchor_positions, anchor_valid, chunk_size, hidden=None
+):
     """Algorithm 2, steps 1-4: a detached greedy draft at every anchor, the frozen target verifies all branches in
-    parallel, accepted lengths m, rejected states, shifted anchors a' = a + m + 1.
+    parallel, accepted lengths m, rejected states, shifted anchors a' = a + m + 1. `hidden`: the first pass's draft
+    slot states [S, N, c, d] when the caller already ran it (to train on it as well), else computed here.
 
     m counts the leading drafts that agree with the recorded response: the record is the target's own output (greedy
     verification accepts exactly these drafts for greedy-regenerated data), so the recorded prefix through a' is what
@@ -250,7 +254,9 @@ def draft_verify(drafter, target, embed_tokens, lm_head, batch: Batch, recorded,
     module = drafter_module(drafter)
     num_slots = module.config.block_size - 1
     with record_function("carryover.first_draft"):
-        hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid)
+        if hidden is None:
+            hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid)
+        hidden = hidden.detach()
         anchor_ids = torch.gather(batch.input_ids, 1, anchor_positions)
         drafts = torch.cat(  # the LM head a chunk of anchors at a time: [S, N, c, V] logits never exist at once
             [
@@ -287,7 +293,8 @@ def training_layer_ids(config) -> list:
 
 def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: LossSettings, carryover: bool, chunk_size=64):
     """Loss of one batch: baseline (blocks at random anchors) or carryover (draft-verify-draft, the loss of the second
-    pass at the shifted anchors with the rejected rows carried). Returns (loss, metrics).
+    pass at the shifted anchors with the rejected rows carried, plus `settings.first_pass_weight` x the first pass's
+    baseline loss at the random anchors). Returns (loss, metrics).
 
     The target's layer outputs come from its forward over the batch, or from `batch_inputs["target_hidden_states"]`
     (stored by trainer.features: a tuple with one [S, T, d] entry per target layer): then the baseline runs no target
@@ -314,10 +321,16 @@ def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: Los
     num_slots = module.config.block_size - 1
     anchor_positions, anchor_valid = sample_anchors(batch.loss_mask, num_anchors)
     metrics = {}
-    carried = None
+    carried, first_loss, first_hidden = None, None, None
+    if carryover and settings.first_pass_weight > 0:  # also train the first pass: drafting without carried rows
+        with record_function("carryover.first_pass_loss"):
+            first_hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid)
+            first_blocks = blocks_at(batch, anchor_positions, anchor_valid, num_slots)
+            first_loss, first_metrics = block_losses(drafter, lm_head, first_hidden, *first_blocks, settings)
+        metrics |= {"first_pass_" + name: value for name, value in first_metrics.items()}
     if carryover:
         transition = draft_verify(
-            drafter, target, embed_tokens, lm_head, batch, recorded, anchor_positions, anchor_valid, chunk_size
+            drafter, target, embed_tokens, lm_head, batch, recorded, anchor_positions, anchor_valid, chunk_size, first_hidden
         )
         valid = anchor_valid.float()
         metrics["first_draft_accepted"] = (transition.accepted_len * valid).sum() / valid.sum()
@@ -332,6 +345,8 @@ def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: Los
         hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid, carried)
         labels, label_valid, prev_token_ids, target_hidden = blocks_at(batch, anchor_positions, anchor_valid, num_slots)
         loss, loss_metrics = block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, target_hidden, settings)
+    if first_loss is not None:
+        loss = loss + settings.first_pass_weight * first_loss
     return loss, metrics | loss_metrics
 
 
