@@ -534,6 +534,9 @@ def test_first_pass_loss_weight_adds_the_baseline_loss_at_the_same_anchors(marko
     assert 0 < second_metrics["first_draft_accepted"] < 3  # some drafts accepted, some rejected: rows are carried
     trainer = train_drafter(target, drafter, dataset, carryover=True, epochs=1, first_pass_loss_weight=0.5)
     assert any("first_pass_ce" in entry for entry in trainer.state.log_history)
+    for bad in ({"carryover": False, "first_pass_loss_weight": 0.5}, {"carryover": True, "first_pass_loss_weight": -1.0}):
+        with pytest.raises(ValueError, match="first_pass_loss_weight"):
+            train_drafter(target, drafter, dataset, epochs=1, **bad)
 
 
 @pytest.mark.parametrize("interface", ["projector", "none"])

@@ -111,6 +111,11 @@ class CarryoverTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.args.remove_unused_columns = False  # loss_mask is not a drafter forward argument
         self.carryover_args = carryover_args or CarryoverArguments()
+        weight = self.carryover_args.first_pass_loss_weight
+        if weight < 0 or (weight > 0 and not self.carryover_args.carryover):
+            raise ValueError(
+                f"first_pass_loss_weight={weight}: it weighs carryover's first pass; use a value >= 0, with --carryover."
+            )
         drafter = self.accelerator.unwrap_model(self.model)
         drafter.check_target(target_model.config)
         if self.carryover_args.carryover:
