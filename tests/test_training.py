@@ -498,6 +498,13 @@ def test_carry_embedding_moves_and_is_used():
     assert (marked - unmarked).abs().max() > 1e-3
 
 
+def collated_rows(rows):
+    """Equal-length greedy rows as one training batch (no padding)."""
+    input_ids = torch.tensor([row["input_ids"] for row in rows])
+    loss_mask = torch.tensor([row["loss_mask"] for row in rows])
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "loss_mask": loss_mask}
+
+
 @pytest.mark.parametrize("markov_rank", [0, 8])
 def test_first_pass_loss_weight_adds_the_baseline_loss_at_the_same_anchors(markov_rank):
     """first_pass_loss_weight w: the carryover loss becomes second pass + w x the baseline loss of the first pass at
@@ -508,12 +515,7 @@ def test_first_pass_loss_weight_adds_the_baseline_loss_at_the_same_anchors(marko
 
     target, cached, dataset = trained_drafter("llama", 4, markov_rank)
     drafter = copy.deepcopy(cached)  # the cached drafter is shared with other tests: train a copy
-    rows = dataset.select(range(4))
-    batch = {
-        "input_ids": torch.tensor([row["input_ids"] for row in rows]),
-        "attention_mask": torch.ones(4, len(rows[0]["input_ids"]), dtype=torch.long),
-        "loss_mask": torch.tensor([row["loss_mask"] for row in rows]),
-    }
+    batch = collated_rows(dataset.select(range(4)))
 
     def loss_and_grads(carryover, weight):
         drafter.zero_grad()
@@ -584,12 +586,7 @@ def test_init_from_target_starts_lower():
     from trainer.objectives import training_step_loss
 
     target = make_target("llama")
-    dataset = greedy_dataset(target, num_rows=8)
-    batch = {
-        "input_ids": torch.tensor([row["input_ids"] for row in dataset]),
-        "attention_mask": torch.ones(8, len(dataset[0]["input_ids"]), dtype=torch.long),
-        "loss_mask": torch.tensor([row["loss_mask"] for row in dataset]),
-    }
+    batch = collated_rows(greedy_dataset(target, num_rows=8))
     losses = {}
     for init in (True, False):
         torch.manual_seed(0)
