@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 import modeling_carryover as mc
 from modeling_carryover.modeling_carryover import block_attention, hidden_state_request, layer_outputs
+from trainer.carryover_trainer import pad_collator
 from trainer.objectives import (
     Batch,
     LossSettings,
@@ -498,13 +499,6 @@ def test_carry_embedding_moves_and_is_used():
     assert (marked - unmarked).abs().max() > 1e-3
 
 
-def collated_rows(rows):
-    """Equal-length greedy rows as one training batch (no padding)."""
-    input_ids = torch.tensor([row["input_ids"] for row in rows])
-    loss_mask = torch.tensor([row["loss_mask"] for row in rows])
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "loss_mask": loss_mask}
-
-
 @pytest.mark.parametrize("markov_rank", [0, 8])
 def test_first_pass_loss_weight_adds_the_baseline_loss_at_the_same_anchors(markov_rank):
     """first_pass_loss_weight w: the carryover loss becomes second pass + w x the baseline loss of the first pass at
@@ -515,7 +509,7 @@ def test_first_pass_loss_weight_adds_the_baseline_loss_at_the_same_anchors(marko
 
     target, cached, dataset = trained_drafter("llama", 4, markov_rank)
     drafter = copy.deepcopy(cached)  # the cached drafter is shared with other tests: train a copy
-    batch = collated_rows(dataset.select(range(4)))
+    batch = pad_collator(list(dataset.select(range(4))))
 
     def loss_and_grads(carryover, weight):
         drafter.zero_grad()
@@ -586,7 +580,7 @@ def test_init_from_target_starts_lower():
     from trainer.objectives import training_step_loss
 
     target = make_target("llama")
-    batch = collated_rows(greedy_dataset(target, num_rows=8))
+    batch = pad_collator(list(greedy_dataset(target, num_rows=8)))
     losses = {}
     for init in (True, False):
         torch.manual_seed(0)
