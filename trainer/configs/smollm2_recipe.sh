@@ -39,14 +39,16 @@ train() {  # output_dir, extra flags...; resumes from the last checkpoint of an 
   python trainer/run.py "$RECIPE" --dataset "$DATA" --features "$FEATURES" \
     --output_dir "$out" --threads "$THREADS" "${resume[@]}" "$@"
 }
-# 3. The baseline. DFlash, in two stages: 3 epochs on the first 1,024 responses (shards 0-3: the first drafter
-# shipped), then the recipe's epochs on all of them from those weights with a fresh schedule. Markov: the DFlash
-# baseline with a new Markov head, trained for the recipe file's steps (run VARIANT=dflash first).
+# 3. The baseline. DFlash, in three stages: 3 epochs on the first 1,024 responses (shards 0-3: the first drafter
+# shipped), the recipe's 2 epochs on all of them from those weights with a fresh schedule, then 2,400 more steps
+# (6.4 epochs) with the learning rate restarted: the shipped baseline. Markov: the 2-epoch DFlash baseline with a
+# new Markov head, trained for the recipe file's steps (run VARIANT=dflash first).
 if [ "$VARIANT" = dflash ]; then
   train "$OUT/pilot" --dataset_shards 4 --num_train_epochs 3
-  train "$OUT/baseline" --drafter_checkpoint "$OUT/pilot"
+  train "$OUT/baseline-2ep" --drafter_checkpoint "$OUT/pilot"
+  train "$OUT/baseline" --drafter_checkpoint "$OUT/baseline-2ep" --max_steps 2400 --warmup_steps 50
 else
-  [ -f runs/smollm2-dflash/baseline/model.safetensors ] || { echo "Run VARIANT=dflash first: the Markov baseline starts from its baseline" >&2; exit 2; }
+  [ -f runs/smollm2-dflash/baseline-2ep/model.safetensors ] || { echo "Run VARIANT=dflash first: the Markov baseline starts from its 2-epoch baseline" >&2; exit 2; }
   train "$OUT/baseline"
 fi
 # 4. Its two continuations of equal length: with carryover (the two-pass draft-verify-draft objective) and without
