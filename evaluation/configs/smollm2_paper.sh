@@ -7,12 +7,13 @@
 # interruption, or with a larger LIMIT) decodes only the prompts not done yet.
 #   LIMIT=N   prompts per subset (the first N); unset = all of them (here about 9 hours
 #             for the embedded run and 3 for the held-out one, side by side; 68 s a prompt and temperature)
-#   OUT=dir   output folder (default evaluation/results/smollm2-cpu/paper-full)
+#   OUT=dir   output folder (default evaluation/results/smollm2-cpu/paper-long: the DFlash pair continuing the longer
+#             baseline; paper-full holds the earlier pair's records, which a resumed run refuses to mix with these)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 S=hub/embedded/smollm2-135m-instruct
-OUT=${OUT:-evaluation/results/smollm2-cpu/paper-full}
+OUT=${OUT:-evaluation/results/smollm2-cpu/paper-long}
 args=(
   --drafters dflash-carryover=$S/dflash-carryover dflash-control=$S/dflash-control
              markov-carryover=$S/markov-carryover markov-control=$S/markov-control
