@@ -44,6 +44,12 @@ train() {  # output_dir, extra flags...; resumes from the last checkpoint of an 
 # (6.4 epochs) with the learning rate restarted: the shipped baseline. Markov: the 2-epoch DFlash baseline with a
 # new Markov head, trained for the recipe file's steps (run VARIANT=dflash first).
 if [ "$VARIANT" = dflash ]; then
+  # An earlier recipe wrote the 2-epoch baseline to $OUT/baseline: continuing from it would skip stage 3c.
+  if [ -f "$OUT/baseline/model.safetensors" ] && [ ! -e "$OUT/baseline-2ep" ]; then
+    echo "$OUT/baseline is an earlier recipe's 2-epoch baseline: rename it to $OUT/baseline-2ep (and move its" \
+      "carryover and control aside), then run this again" >&2
+    exit 2
+  fi
   train "$OUT/pilot" --dataset_shards 4 --num_train_epochs 3
   train "$OUT/baseline-2ep" --drafter_checkpoint "$OUT/pilot"
   train "$OUT/baseline" --drafter_checkpoint "$OUT/baseline-2ep" --max_steps 2400 --warmup_steps 50
