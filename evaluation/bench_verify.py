@@ -34,7 +34,7 @@ from evaluation.run import load_drafter
 from modeling_carryover import generate as carryover_generate
 from modeling_carryover.generation_carryover import _synchronize
 from trainer.cli import parse_arguments
-from trainer.targets import load_target
+from trainer.targets import load_target, use_linear_backend
 
 
 @dataclass
@@ -42,6 +42,11 @@ class BenchArguments:
     target: str | None = field(default=None, metadata={"help": "Default: the embedded SmolLM2-135M-Instruct."})
     drafter: str | None = field(default=None, metadata={"help": "A drafter folder: adds its drafting time per round."})
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
+    linear_backends: list[str] = field(
+        default_factory=lambda: ["default"],
+        metadata={"help": "Float32 linear layers: 'default' and/or 'onednn' (evaluation/run.py --linear_backend); "
+                  "other dtypes run 'default' only."},
+    )
     thread_counts: list[int] = field(default_factory=lambda: [2])
     cache_length: int = field(default=300, metadata={"help": "Tokens in the KV cache before the timed forward."})
     max_tokens: int = field(default=8, metadata={"help": "Time forwards of 1 .. max_tokens new tokens."})
@@ -85,15 +90,16 @@ def drafting_milliseconds(args, target, tokenizer, drafter, num_drafts: int) -> 
 
 
 @torch.no_grad()
-def measure(args, dtype_name: str, threads: int) -> dict:
+def measure(args, dtype_name: str, backend: str, threads: int) -> dict:
     torch.set_num_threads(threads)
     dtype = getattr(torch, dtype_name)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    use_linear_backend(target, backend)
     target_ms = {n: forward_milliseconds(target, args.cache_length, n, args.repeats) for n in range(1, args.max_tokens + 1)}
-    entry = {"dtype": dtype_name, "threads": threads, "target_forward_ms": target_ms}
+    entry = {"dtype": dtype_name, "linear_backend": backend, "threads": threads, "target_forward_ms": target_ms}
     if args.drafter:
-        drafter = load_drafter(args.drafter, target, dtype)
+        drafter = use_linear_backend(load_drafter(args.drafter, target, dtype), backend)
         drafts = [k for k in args.draft_counts if k < drafter.config.block_size and k < args.max_tokens]
         draft_ms = {k: drafting_milliseconds(args, target, tokenizer, drafter, k) for k in drafts}
         entry |= {
@@ -107,25 +113,27 @@ def main(argv=None):
     (args,) = parse_arguments(BenchArguments, argv)
     report = {"settings": asdict(args), "results": []}
     for dtype_name in args.dtypes:
-        for threads in args.thread_counts:
-            report["results"].append(measure(args, dtype_name, threads))
+        for backend in args.linear_backends if dtype_name == "float32" else ["default"]:
+            for threads in args.thread_counts:
+                report["results"].append(measure(args, dtype_name, backend, threads))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(report, f, indent=2)
 
     sizes = range(1, args.max_tokens + 1)
     print(f"target forward after a {args.cache_length}-token cache, in plain steps (n new tokens; n = k + 1 verifies k drafts)")
-    print(f"{'dtype':<10}{'threads':>8}{'step ms':>9}" + "".join(f"{f'n={n}':>7}" for n in sizes))
+    print(f"{'dtype':<10}{'linears':>8}{'threads':>8}{'step ms':>9}" + "".join(f"{f'n={n}':>7}" for n in sizes))
     for entry in report["results"]:
-        ms = entry["target_forward_ms"]
-        print(f"{entry['dtype']:<10}{entry['threads']:>8}{ms[1]:>9.1f}" + "".join(f"{ms[n] / ms[1]:>7.2f}" for n in sizes))
+        ms, setting = entry["target_forward_ms"], f"{entry['dtype']:<10}{entry['linear_backend']:>8}{entry['threads']:>8}"
+        print(f"{setting}{ms[1]:>9.1f}" + "".join(f"{ms[n] / ms[1]:>7.2f}" for n in sizes))
     if args.drafter:
         print(f"\nbreak-even tau of {args.drafter}: (drafting + verifying k drafts) / plain step; (ms): drafting")
         drafts = list(report["results"][0]["break_even_tau"])
-        print(f"{'dtype':<10}{'threads':>8}" + "".join(f"{f'k={k}':>8}{'(ms)':>8}" for k in drafts))
+        print(f"{'dtype':<10}{'linears':>8}{'threads':>8}" + "".join(f"{f'k={k}':>8}{'(ms)':>8}" for k in drafts))
         for entry in report["results"]:
             tau, ms = entry["break_even_tau"], entry["draft_ms_per_round"]
-            print(f"{entry['dtype']:<10}{entry['threads']:>8}" + "".join(f"{tau[k]:>8.2f}{ms[k]:>8.1f}" for k in drafts))
+            setting = f"{entry['dtype']:<10}{entry['linear_backend']:>8}{entry['threads']:>8}"
+            print(setting + "".join(f"{tau[k]:>8.2f}{ms[k]:>8.1f}" for k in drafts))
     print(f"-> {args.output}")
     return report
 

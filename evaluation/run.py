@@ -50,7 +50,7 @@ from modeling_carryover import generate as carryover_generate
 from modeling_carryover.generation_carryover import DraftRound, _synchronize, drafts_per_round
 from trainer.cli import parse_arguments
 from trainer.features import weights_fingerprint
-from trainer.targets import load_target
+from trainer.targets import LINEAR_BACKENDS, load_target, use_linear_backend
 
 PLAIN = "plain"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +80,13 @@ class EvalArguments:
     output_dir: str = field(default="outputs/eval")
     device: str | None = field(default=None, metadata={"help": "Default: cuda if available, else cpu."})
     dtype: str = field(default="float32", metadata={"help": "Target and drafter dtype (float32, bfloat16, float16)."})
+    linear_backend: str = field(
+        default="default",
+        metadata={"help": "Float32 CPU linear layers of the target and drafters, for plain and "
+                  "speculative decoding alike: 'default' (torch's GEMM) or 'onednn' (trainer.targets.OneDNNLinear; "
+                  "on CPUs whose GEMM is slow for a few rows, verification costs much less).",
+                  "choices": list(LINEAR_BACKENDS)},
+    )
     num_assistant_tokens: int | None = field(
         default=None, metadata={"help": "Drafts the target verifies per round (at most block_size - 1, the default)."}
     )
@@ -257,6 +264,8 @@ def run_identity(args, target, drafters, device) -> dict:
         "drafters": {name: [weights_fingerprint(model), carryover] for name, (model, carryover) in drafters.items()},
         **{name: getattr(args, name) for name in ("max_new_tokens", "seed", "dtype", "num_assistant_tokens")},
         "device": device.type,
+        # Only where set, so that runs recorded before this setting existed still resume.
+        **({"linear_backend": args.linear_backend} if args.linear_backend != "default" else {}),
     }
 
 
@@ -611,7 +620,10 @@ def main(argv=None) -> dict:
     dtype = getattr(torch, args.dtype)
     benchmark = load_benchmark(args.benchmark, args.subsets, args.limit)
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    use_linear_backend(target, args.linear_backend)
     drafters = load_drafters(specs, target, dtype)
+    for drafter, _ in drafters.values():
+        use_linear_backend(drafter, args.linear_backend)
     output_dir = Path(args.output_dir)
     records = RunRecords(output_dir, run_identity(args, target, drafters, device), args.resume)
 

@@ -48,6 +48,36 @@ USAGE_HINT = (
 _LIST_INDEXES_FULL_TUPLE = version.parse(transformers.__version__).release >= (5, 23)
 
 
+class OneDNNLinear(nn.Linear):
+    """An `nn.Linear` whose float32 CPU inference runs as a oneDNN matmul against a copy of its weight packed once
+    into oneDNN's blocked layout (the kernel and packing that torch.compile's CPU backend uses for linear layers).
+
+    Why: on some CPUs (the 2-core AMD EPYC machine here) the default float32 GEMM (MKL) costs about M times one row
+    for the M = 1-8 rows that decoding and verification feed, so a 2-token SmolLM2 forward cost 1.7-2.2 plain steps;
+    oneDNN's cost grows slowly with M. Same weights, float32 both ways: outputs agree to float32 rounding. Training,
+    other dtypes and devices take `nn.Linear`'s own path; the packed copy is made again if the weight changes."""
+
+    def __init__(self, weight, bias=None):
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias  # a layer's own: tied weights stay tied, the state dict is unchanged
+        self._packed = None  # (key, weight in oneDNN's layout)
+
+    def _packed_weight(self):
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()))
+        return self._packed[1]
+
+    def forward(self, x):
+        fast = x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
+        if not fast or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            return super().forward(x)
+        bias = None if self.bias is None else self.bias.detach()
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self._packed_weight(), bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 def hidden_state_request(target_layer_ids: list[int]) -> list[int]:
     """The `output_hidden_states=` value that returns the OUTPUTS of decoder layers `target_layer_ids` only."""
     offset = 1 if _LIST_INDEXES_FULL_TUPLE else 0
@@ -406,6 +436,7 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         draft_token_ids = torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None
         self.register_buffer("draft_token_ids", draft_token_ids)
         self._draft_head = None  # (key, rows): the frozen LM head's draft-vocabulary rows, see `draft_logits`
+        self._onednn_draft_head = None  # (rows, OneDNNLinear of them), see `draft_logits`
 
         rank = config.markov_rank
         self.markov_embed = nn.Embedding(config.vocab_size, rank) if rank else None  # W1: any previous target token
@@ -562,11 +593,18 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         """The target's LM head on the drafter's hidden states, restricted to the rows of the draft vocabulary (all
         rows without one). hidden [..., d] -> float32 logits [..., scored_vocab_size]"""
         weight = lm_head.weight
+        hidden = hidden.to(weight.device, weight.dtype)
         if self.draft_token_ids is None:
-            return lm_head(hidden.to(weight.device, weight.dtype)).float()
+            return lm_head(hidden).float()
         rows = self.draft_token_ids.to(weight.device)
-        bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias[rows]
-        return nn.functional.linear(hidden.to(weight.device, weight.dtype), self.draft_head_weight(weight, rows), bias).float()
+        head_weight = self.draft_head_weight(weight, rows)
+        if getattr(lm_head, "bias", None) is not None:
+            return nn.functional.linear(hidden, head_weight, lm_head.bias[rows]).float()
+        if isinstance(lm_head, OneDNNLinear):  # the target's head runs in oneDNN: so do its rows here, packed once
+            if self._onednn_draft_head is None or self._onednn_draft_head[0] is not head_weight:
+                self._onednn_draft_head = (head_weight, OneDNNLinear(head_weight))  # a tuple: not a submodule
+            return self._onednn_draft_head[1](hidden).float()
+        return nn.functional.linear(hidden, head_weight).float()
 
     def draft_head_weight(self, weight, rows):
         """`weight[rows]`, kept while the (frozen) LM head and the token map are unchanged: gathering N rows costs as

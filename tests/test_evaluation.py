@@ -387,14 +387,16 @@ def test_bench_verify_reports_break_even_from_its_measurements(workspace, tmp_pa
         report = bench_verify.main([
             "--target", str(workspace / "target"), "--drafter", str(workspace / "carryover"),
             "--benchmark", str(workspace / "bench"), "--subset", "alpha", "--num_prompts", "2",
-            "--max_new_tokens", "12", "--dtypes", "float32", "bfloat16", "--thread_counts", "1",
+            "--max_new_tokens", "12", "--dtypes", "float32", "bfloat16", "--linear_backends", "default", "onednn",
+            "--thread_counts", "1",
             "--cache_length", "16", "--max_tokens", "4", "--repeats", "3", "--draft_counts", "1", "3", "7",
             "--output", str(output),
         ])
     finally:
         torch.set_num_threads(before)
     assert json.loads(output.read_text()) == json.loads(json.dumps(report))
-    assert [(e["dtype"], e["threads"]) for e in report["results"]] == [("float32", 1), ("bfloat16", 1)]
+    settings = [(e["dtype"], e["linear_backend"], e["threads"]) for e in report["results"]]
+    assert settings == [("float32", "default", 1), ("float32", "onednn", 1), ("bfloat16", "default", 1)]
     for entry in report["results"]:
         forward, drafting = entry["target_forward_ms"], entry["draft_ms_per_round"]
         assert sorted(forward) == [1, 2, 3, 4] and all(ms > 0 for ms in forward.values())
@@ -463,3 +465,17 @@ def test_an_interrupted_run_resumes_from_its_records(workspace, tmp_path):
     (tmp_path / "foreign" / run.RunRecords.FILE).write_text("not a records file")
     with pytest.raises(ValueError, match="not a readable records file"):
         run.main(eval_argv(workspace, tmp_path / "foreign") + ["--limit", "1", "--resume", "true"])
+
+
+def test_onednn_linears_stay_lossless_and_are_recorded(workspace, tmp_path):
+    """--linear_backend onednn: target and drafters run their linear layers in oneDNN; greedy outputs still equal
+    plain greedy ones (plain decoding uses the same target), the setting is recorded, and a resumed run must share it."""
+    argv = eval_argv(workspace, tmp_path / "out", temperatures=("0",)) + ["--limit", "1"]
+    report = run.main(argv + ["--linear_backend", "onednn"])
+    speculative = [r for r in report["results"] if r["drafter"] != run.PLAIN]
+    assert speculative and all(r["mismatches"] == 0 for r in speculative)
+    assert report["provenance"]["settings"]["linear_backend"] == "onednn"
+    with pytest.raises(ValueError, match="differ in linear_backend"):
+        run.main(argv + ["--resume", "true"])
+    with pytest.raises(SystemExit):
+        run.main(argv + ["--linear_backend", "mkl"])

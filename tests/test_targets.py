@@ -64,3 +64,65 @@ def test_embedded_target_from_an_empty_cache(tmp_path, monkeypatch):
         assert drafter.config.carryover == (name == "carryover")
         out = mc.generate(target, **inputs, assistant_model=drafter, max_new_tokens=24, do_sample=False)
         assert torch.equal(out, expected) and drafter.generation_stats.num_rounds > 0, (variant, name)
+
+
+def test_onednn_linears_keep_the_weights_outputs_and_lossless_decoding():
+    """--linear_backend onednn: every nn.Linear of target and drafter becomes a OneDNNLinear sharing its weights (the
+    state dict, tied weights and training are unchanged), logits agree to float32 rounding with and without a KV
+    cache, and carryover decoding through the swapped models equals plain greedy decoding."""
+    import copy
+
+    from torch import nn
+
+    from conftest import TINY, make_drafter, make_target
+    from modeling_carryover import generate as carryover_generate
+    from trainer.targets import OneDNNLinear, use_linear_backend
+
+    original = make_target(tie_word_embeddings=True)
+    target = use_linear_backend(copy.deepcopy(original), "onednn")
+    linears = [name for name, module in original.named_modules() if type(module) is nn.Linear]
+    assert len(linears) == 4 * 7 + 1
+    assert all(type(target.get_submodule(name)) is OneDNNLinear for name in linears)
+    assert target.lm_head.weight is target.model.embed_tokens.weight  # tied weights stay tied
+    assert original.state_dict().keys() == target.state_dict().keys()
+    for name, tensor in original.state_dict().items():
+        torch.testing.assert_close(target.state_dict()[name], tensor, rtol=0, atol=0)
+
+    prompt = torch.randint(0, TINY["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(target(prompt).logits, original(prompt).logits, rtol=1e-5, atol=1e-5)
+        cache = target(prompt[:, :5], use_cache=True).past_key_values
+        torch.testing.assert_close(
+            target(prompt[:, 5:], past_key_values=cache).logits, original(prompt).logits[:, 5:], rtol=1e-5, atol=1e-5
+        )
+    expected = original.generate(prompt, max_new_tokens=24, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=24, do_sample=False), expected)
+    # a drafter with a draft vocabulary scores its rows of the target's oneDNN head in oneDNN too, packed once
+    drafter = use_linear_backend(make_drafter(original, carryover=True, draft_vocab_size=48), "onednn")
+    drafter.set_draft_vocab(torch.arange(0, 96, 2))
+    assert any(type(module) is OneDNNLinear for module in drafter.modules())
+    assert torch.equal(carryover_generate(target, prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False), expected)
+    head_rows, head = drafter._onednn_draft_head
+    assert type(head) is OneDNNLinear and head.weight is head_rows and head._packed is not None
+    hidden = torch.randn(5, original.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            drafter.draft_logits(target.lm_head, hidden), drafter.draft_logits(original.lm_head, hidden), rtol=1e-5, atol=1e-5
+        )
+
+    # a changed weight is packed again; gradients take nn.Linear's own path
+    with torch.no_grad():
+        original.model.layers[0].mlp.down_proj.weight.mul_(2)
+        target.model.layers[0].mlp.down_proj.weight.mul_(2)
+        torch.testing.assert_close(target(prompt).logits, original(prompt).logits, rtol=1e-5, atol=1e-5)
+    layer = target.model.layers[0].mlp.down_proj
+    layer.weight.requires_grad_(True)
+    layer(torch.randn(3, layer.in_features)).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+    assert use_linear_backend(original, "default") is original
+    with pytest.raises(ValueError, match="Unknown linear backend 'mkl'"):
+        use_linear_backend(original, "mkl")
+    with pytest.raises(ValueError, match="float32 models on CPU"):
+        use_linear_backend(make_target().to(torch.bfloat16), "onednn")
+

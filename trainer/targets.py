@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from modeling_carryover.modeling_carryover import OneDNNLinear
 
 EMBEDDED_TARGET = "smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -89,3 +92,27 @@ def load_target(name_or_path: str | None = None, adapter: str | None = None, dty
         model.to(device)
     model.requires_grad_(False).eval()
     return model, tokenizer
+
+
+LINEAR_BACKENDS = ("default", "onednn")
+
+
+def use_linear_backend(model: nn.Module, backend: str) -> nn.Module:
+    """Run `model`'s float32 linear layers with `backend`: "default" (torch's own GEMM) leaves it as it is; "onednn"
+    swaps each `nn.Linear` for a `OneDNNLinear` in place (CPU, float32). Returns `model`."""
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"Unknown linear backend {backend!r}: choose one of {LINEAR_BACKENDS}.")
+    if backend == "default":
+        return model
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        raise RuntimeError("--linear_backend onednn needs a torch build with oneDNN (mkldnn) linear kernels; this one "
+                           f"({torch.__version__}) has none: use --linear_backend default.")
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
+        raise ValueError(f"--linear_backend onednn is for float32 models on CPU; this one is {parameter.dtype} on "
+                         f"{parameter.device}.")
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, OneDNNLinear(child.weight, child.bias))
+    return model
