@@ -60,7 +60,7 @@ class OneDNNLinear(nn.Linear):
     def __init__(self, weight, bias=None):
         nn.Module.__init__(self)
         self.out_features, self.in_features = weight.shape
-        self.weight, self.bias = weight, bias  # a layer's own: tied weights stay tied, the state dict is unchanged
+        self.weight, self.bias = weight, bias  # the swapped layer's own: tied weights stay tied, the state dict unchanged
         self._packed = None  # (key, weight in oneDNN's layout)
 
     def _packed_weight(self):
