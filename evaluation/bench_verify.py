@@ -121,18 +121,19 @@ def main(argv=None):
         json.dump(report, f, indent=2)
 
     sizes = range(1, args.max_tokens + 1)
+    header = f"{'dtype':<10}{'linears':>8}{'threads':>8}"
+    settings = [f"{e['dtype']:<10}{e['linear_backend']:>8}{e['threads']:>8}" for e in report["results"]]
     print(f"target forward after a {args.cache_length}-token cache, in plain steps (n new tokens; n = k + 1 verifies k drafts)")
-    print(f"{'dtype':<10}{'linears':>8}{'threads':>8}{'step ms':>9}" + "".join(f"{f'n={n}':>7}" for n in sizes))
-    for entry in report["results"]:
-        ms, setting = entry["target_forward_ms"], f"{entry['dtype']:<10}{entry['linear_backend']:>8}{entry['threads']:>8}"
+    print(f"{header}{'step ms':>9}" + "".join(f"{f'n={n}':>7}" for n in sizes))
+    for setting, entry in zip(settings, report["results"]):
+        ms = entry["target_forward_ms"]
         print(f"{setting}{ms[1]:>9.1f}" + "".join(f"{ms[n] / ms[1]:>7.2f}" for n in sizes))
     if args.drafter:
         print(f"\nbreak-even tau of {args.drafter}: (drafting + verifying k drafts) / plain step; (ms): drafting")
         drafts = list(report["results"][0]["break_even_tau"])
-        print(f"{'dtype':<10}{'linears':>8}{'threads':>8}" + "".join(f"{f'k={k}':>8}{'(ms)':>8}" for k in drafts))
-        for entry in report["results"]:
+        print(header + "".join(f"{f'k={k}':>8}{'(ms)':>8}" for k in drafts))
+        for setting, entry in zip(settings, report["results"]):
             tau, ms = entry["break_even_tau"], entry["draft_ms_per_round"]
-            setting = f"{entry['dtype']:<10}{entry['linear_backend']:>8}{entry['threads']:>8}"
             print(setting + "".join(f"{tau[k]:>8.2f}{ms[k]:>8.1f}" for k in drafts))
     print(f"-> {args.output}")
     return report
