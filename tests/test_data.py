@@ -5,6 +5,7 @@ token sequence can be written down by hand. The target is a tiny Llama taught fo
 test (about 2 s), so that it closes its turns like an instruct model does.
 """
 
+import ast
 import json
 from pathlib import Path
 
@@ -211,6 +212,18 @@ def test_python_code_prompts_are_distinct_documented_functions_and_seeded():
     assert all("Python" in p and p.count("`") >= 2 for p in prompts)
 
 
+def test_python_stubs_pose_the_same_functions_as_source_files_to_complete():
+    tasks, stubs = python_code_prompts(50, seed=0), python_code_prompts(50, seed=0, stubs=True)
+    assert python_code_names(stubs) >= python_code_names(tasks)  # the same draw (docstrings may name more)
+    for stub in stubs:
+        function = ast.parse(stub).body[0]  # valid Python: a signature and a docstring, no body
+        assert isinstance(function, ast.FunctionDef) and len(function.body) == 1 and ast.get_docstring(function)
+        assert stub.startswith(f"def {function.name}(") and stub.endswith('\n    """\n')
+        assert not any(line != line.rstrip() for line in stub.splitlines())
+        docstring = ast.get_docstring(function)
+        assert len(docstring) <= 600 or "\n\n" not in docstring  # whole paragraphs up to the cap (the first always)
+
+
 def test_mixed_prompt_sources_need_one_count_each_and_are_shuffled_together(tmp_path):
     from trainer.regenerate import RegenerationArguments, mixed_prompts
 
@@ -223,6 +236,8 @@ def test_mixed_prompt_sources_need_one_count_each_and_are_shuffled_together(tmp_
         mixed_prompts(None, None, RegenerationArguments(prompts=args.prompts, num_prompts=[4]))
     with pytest.raises(ValueError, match="--prompts python-code needs its --num_prompts"):
         mixed_prompts(None, None, RegenerationArguments(prompts=["python-code"]))
+    stubs = RegenerationArguments(prompts=["python-stub"], num_prompts=[3])
+    assert sorted(mixed_prompts(None, None, stubs)) == sorted(python_code_prompts(3, stubs=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------

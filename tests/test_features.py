@@ -13,7 +13,7 @@ from transformers import TrainingArguments
 import trainer.features as features_module
 from modeling_carryover.modeling_carryover import hidden_state_request
 from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer, pad_collator
-from trainer.build import FEATURE_INDEX
+from trainer.build import FEATURE_INDEX, load_training_rows
 from trainer.features import FEATURES_MANIFEST, TargetFeatures, extract_features
 from trainer.objectives import LossSettings, training_step_loss
 from trainer.run import main as run_main
@@ -187,19 +187,26 @@ def test_a_stale_or_foreign_cache_is_refused(setup, tmp_path):
 
 
 def test_cli_extracts_features_and_run_trains_from_them(setup, tmp_path):
-    """`python -m trainer.features`, then `trainer/run.py --features` (baseline, then carryover continuing it)."""
+    """`python -m trainer.features`, then `trainer/run.py --features` (baseline, then carryover continuing it), on a
+    mix given as two datasets (separately made sources: their rows in order)."""
     target, rows, _, _ = setup
     target.save_pretrained(tmp_path / "target")
-    rows.save_to_disk(str(tmp_path / "data"))
+    rows.select(range(6)).save_to_disk(str(tmp_path / "data"))
+    rows.select(range(6, 10)).add_column("source", ["b"] * 4).save_to_disk(str(tmp_path / "more"))
+    datasets = [str(tmp_path / "data"), str(tmp_path / "more")]
+    mixed = load_training_rows(datasets)
+    assert mixed.column_names == rows.column_names and mixed["input_ids"] == rows["input_ids"]  # shared columns only
+    with pytest.raises(ValueError, match="first shards of one regenerated folder, not of 2 datasets"):
+        load_training_rows(datasets, num_shards=1)
     result = subprocess.run(
-        [sys.executable, "-m", "trainer.features", "--dataset", str(tmp_path / "data"), "--output_dir",
+        [sys.executable, "-m", "trainer.features", "--dataset", *datasets, "--output_dir",
          str(tmp_path / "features"), "--target", str(tmp_path / "target"), "--num_draft_layers", "2",
          "--dtype", "bfloat16", "--shard_size", "4", "--threads", "1"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "10 rows" in result.stdout
-    common = ["--target", str(tmp_path / "target"), "--dataset", str(tmp_path / "data"), "--features",
+    common = ["--target", str(tmp_path / "target"), "--dataset", *datasets, "--features",
               str(tmp_path / "features"), "--num_anchors", "8", "--per_device_train_batch_size", "4", "--max_steps", "2",
               "--report_to", "none", "--use_cpu", "--save_strategy", "no", "--disable_tqdm", "true"]
     baseline = run_main([*common, "--output_dir", str(tmp_path / "baseline"), "--num_draft_layers", "2", "--block_size", "4"])

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from datasets import Dataset
+from datasets import Dataset, concatenate_datasets
 
 from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
 
@@ -174,9 +174,18 @@ def extend_drafter(drafter: CarryoverDrafterModel, **changes) -> CarryoverDrafte
     return extended
 
 
-def load_training_rows(path: str, num_shards: int | None = None) -> Dataset:
+def load_training_rows(paths: str | list[str], num_shards: int | None = None) -> Dataset:
     """A regenerated folder (`python -m trainer.regenerate`; `num_shards`: its first shards only), or rows with
-    input_ids/loss_mask in a `save_to_disk` folder or a JSONL/Parquet/CSV file."""
+    input_ids/loss_mask in a `save_to_disk` folder or a JSONL/Parquet/CSV file. Several paths: their rows in order,
+    with the columns they all have (one data mix made of separately regenerated sources)."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    if len(paths) > 1:
+        if num_shards is not None:
+            raise ValueError(f"A shard count picks the first shards of one regenerated folder, not of {len(paths)} datasets")
+        parts = [load_training_rows(path) for path in paths]
+        common = [c for c in parts[0].column_names if all(c in part.column_names for part in parts)]
+        return concatenate_datasets([part.select_columns(common) for part in parts])
+    path = paths[0]
     if (Path(path) / MANIFEST).exists():
         return load_regenerated(path, num_shards)
     if num_shards is not None:

@@ -292,11 +292,15 @@ _CODE_TASKS = (
     "Implement `{name}({args})` in Python. {doc} Explain your code briefly.",
     "{doc} Write this as a Python function named `{name}` with the signature `{name}({args})`.",
 )
-_CODE_TASK_NAME = re.compile(r"`(\w+)\(")  # every phrasing writes the function as `name(...)`
+_CODE_TASK_NAME = re.compile(r"(?:`|^def )(\w+)\(", re.M)  # tasks write `name(...)`, stubs start `def name(`
+# A stub is a function's signature and docstring with no body, as HumanEval poses its problems (the target then
+# completes it); at most this many characters of the docstring, in whole paragraphs.
+_STUB_DOC_CHARS = 600
 
 
 def _documented_functions(path: Path):
-    """(name, signature arguments, first docstring paragraph) of each public function or method in one file."""
+    """(name, signature arguments, first docstring paragraph, whole docstring) of each public function or method in
+    one file."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (SyntaxError, UnicodeDecodeError, ValueError):
@@ -304,36 +308,55 @@ def _documented_functions(path: Path):
     for node in ast.walk(tree):
         if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
             continue
-        doc = " ".join((ast.get_docstring(node) or "").split("\n\n")[0].split())
+        docstring = ast.get_docstring(node) or ""
+        doc = " ".join(docstring.split("\n\n")[0].split())
         if not 20 <= len(doc) <= 400:
             continue
         arguments = node.args.posonlyargs or node.args.args
         if arguments and arguments[0].arg in ("self", "cls"):
             arguments.pop(0)  # a method becomes a free function: the task then stands without its class
-        yield node.name, ast.unparse(node.args), doc if doc.endswith(".") else doc + "."
+        yield node.name, ast.unparse(node.args), doc if doc.endswith(".") else doc + ".", docstring
 
 
-def python_code_prompts(num_prompts: int, seed: int = 0, skip_names: Iterable[str] = ()) -> list:
+def _stub(name: str, args: str, docstring: str) -> str:
+    """`def name(args):` and its docstring (whole paragraphs up to _STUB_DOC_CHARS), indented as in a source file."""
+    paragraphs = "\n".join(line.rstrip() for line in docstring.strip().splitlines()).split("\n\n")
+    kept = paragraphs[:1]
+    for paragraph in paragraphs[1:]:
+        if len("\n\n".join(kept + [paragraph])) > _STUB_DOC_CHARS:
+            break
+        kept.append(paragraph)
+    body = "\n".join(f"    {line}" if line else "" for line in "\n\n".join(kept).splitlines())
+    return f'def {name}({args}):\n    """{body[4:]}\n    """\n'
+
+
+def python_code_prompts(num_prompts: int, seed: int = 0, skip_names: Iterable[str] = (), stubs: bool = False) -> list:
     """Coding tasks made from the documented public functions of Python's standard library on this machine.
 
     Each task names a function, its signature and the first paragraph of its docstring, in one of a few phrasings; a
     name is used once. Which functions are drawn depends only on `seed` and the Python version. They give the
     drafter a good share of code to learn from without downloading a dataset or sampling the target. Functions named
     in `skip_names` are never drawn (held-out tasks: `evaluation/heldout.py`).
+
+    `stubs=True` poses the same functions (the same draw) as stubs to complete: the signature and docstring with no
+    body, the form of HumanEval's prompts, whose answers (the target repeats the signature, then writes the body)
+    the task phrasings do not teach.
     """
     root = Path(sysconfig.get_path("stdlib"))
     files = [p for p in sorted(root.rglob("*.py")) if not _STDLIB_SKIP.intersection(p.relative_to(root).parts)]
     functions, seen = [], set(skip_names)
     for path in files:
-        for name, args, doc in _documented_functions(path):
+        for name, args, doc, docstring in _documented_functions(path):
             if name not in seen:
                 seen.add(name)
-                functions.append((name, args, doc))
+                functions.append((name, args, doc, docstring))
     rng = random.Random(seed)
     rng.shuffle(functions)
     if len(functions) < num_prompts:
         logger.warning("python-code: %d documented functions found (%d asked for)", len(functions), num_prompts)
-    return [rng.choice(_CODE_TASKS).format(name=n, args=a, doc=d) for n, a, d in functions[:num_prompts]]
+    if stubs:
+        return [_stub(n, a, docstring) for n, a, _, docstring in functions[:num_prompts]]
+    return [rng.choice(_CODE_TASKS).format(name=n, args=a, doc=d) for n, a, d, _ in functions[:num_prompts]]
 
 
 def python_code_names(prompts: Iterable[str]) -> set:

@@ -52,7 +52,9 @@ NOT_RESUME_KEYS = ("target", "versions", "batch_size")
 
 @dataclass
 class FeatureArguments:
-    dataset: str = field(metadata={"help": "Training rows: a regenerated folder, or input_ids rows (as --dataset of run.py)."})
+    dataset: list[str] = field(
+        metadata={"help": "Training rows: a regenerated folder, or input_ids rows; several: their rows in order (as run.py)."}
+    )
     output_dir: str = field(metadata={"help": "Where the features go (resumable: run again to finish)."})
     dataset_shards: int | None = field(
         default=None, metadata={"help": "Only the first N shards of a regenerated --dataset (as run.py's --dataset_shards)."}

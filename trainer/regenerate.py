@@ -5,8 +5,9 @@
         --prompts HuggingFaceH4/ultrachat_200k --prompt_split train_sft --num_prompts 50000 --max_new_tokens 2048
 
 `--prompts` is a JSONL/Parquet/CSV file, a `save_to_disk` folder, a Hub dataset id, `magpie` (prompts sampled
-from the target, kept in the data folder) or `python-code` (coding tasks from the standard library's documented
-functions). Several sources mix, one `--num_prompts` each, shuffled together so every shard holds all of them:
+from the target, kept in the data folder), `python-code` (coding tasks from the standard library's documented
+functions) or `python-stub` (the same functions as stubs to complete, HumanEval's form of a coding prompt). Several
+sources mix, one `--num_prompts` each, shuffled together so every shard holds all of them:
 
     python -m trainer.regenerate --data_dir data/smollm2-mix --prompts python-code magpie --num_prompts 2500 1500
 
@@ -28,13 +29,16 @@ from trainer.targets import EMBEDDED_TARGET, TargetArguments, load_target
 class RegenerationArguments:
     prompts: list[str] | None = field(
         default=None,
-        metadata={"help": "Sources: JSONL/Parquet/CSV file, save_to_disk folder, Hub dataset id, 'magpie', 'python-code'."},
+        metadata={
+            "help": "Sources: JSONL/Parquet/CSV file, save_to_disk folder, Hub dataset id, 'magpie', 'python-code', "
+            "'python-stub'."
+        },
     )
     data_dir: str = field(default="data/regenerated", metadata={"help": "Where the regenerated shards go (resumable)."})
     prompt_split: str = field(default="train")
     prompt_column: str | None = field(default=None, metadata={"help": "Prompt or chat-messages column (default: auto)."})
     num_prompts: list[int] | None = field(
-        default=None, metadata={"help": "One per source: its first N prompts (magpie, python-code: how many to make)."}
+        default=None, metadata={"help": "One per source: its first N prompts (magpie, python-code, python-stub: how many to make)."}
     )
     magpie_max_new_tokens: int = field(default=128, metadata={"help": "Length cap of a synthesised user turn."})
     shard_size: int = field(default=256)
@@ -68,12 +72,12 @@ def magpie_prompts(target, tokenizer, args: RegenerationArguments, num_prompts: 
 
 
 def source_prompts(target, tokenizer, args: RegenerationArguments, source: str, num_prompts: int | None) -> list:
-    if source in ("magpie", "python-code") and not num_prompts:
+    if source in ("magpie", "python-code", "python-stub") and not num_prompts:
         raise ValueError(f"--prompts {source} needs its --num_prompts")
     if source == "magpie":
         return magpie_prompts(target, tokenizer, args, num_prompts)
-    if source == "python-code":
-        return python_code_prompts(num_prompts, seed=args.generation_seed)
+    if source in ("python-code", "python-stub"):
+        return python_code_prompts(num_prompts, seed=args.generation_seed, stubs=source == "python-stub")
     return load_prompts(source, split=args.prompt_split, column=args.prompt_column, limit=num_prompts)
 
 
@@ -113,7 +117,7 @@ def regenerate_from_args(target, tokenizer, args: RegenerationArguments, target_
 def main(argv=None):
     target_args, args = parse_arguments((TargetArguments, RegenerationArguments), argv)
     if not args.prompts:
-        raise SystemExit("--prompts is required: a file, a save_to_disk folder, a Hub dataset id, 'magpie' or 'python-code'")
+        raise SystemExit("--prompts is required: a file, a save_to_disk folder, a Hub dataset id, 'magpie', 'python-code' or 'python-stub'")
     target, tokenizer = load_target(target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype)
     data = regenerate_from_args(target, tokenizer, args, target_args.target)
     response_tokens = sum(sum(mask) for mask in data["loss_mask"])

@@ -41,9 +41,12 @@ from trainer.targets import TargetArguments, load_target
 
 @dataclass
 class DataArguments:
-    dataset: str | None = field(
+    dataset: list[str] | None = field(
         default=None,
-        metadata={"help": "Training rows: a regenerated folder, or input_ids/loss_mask rows (save_to_disk folder, JSONL, Parquet)."},
+        metadata={
+            "help": "Training rows: a regenerated folder, or input_ids/loss_mask rows (save_to_disk folder, JSONL, "
+            "Parquet); several: their rows in order."
+        },
     )
     dataset_shards: int | None = field(
         default=None, metadata={"help": "Only the first N shards of a regenerated --dataset (its regeneration may go on)."}
