@@ -90,6 +90,11 @@ class EvalArguments:
     num_assistant_tokens: int | None = field(
         default=None, metadata={"help": "Drafts the target verifies per round (at most block_size - 1, the default)."}
     )
+    draft_confidence_threshold: float | None = field(
+        default=None,
+        metadata={"help": "Verify only the leading drafts whose running product of the drafter's top probabilities "
+                  "stays at or above this (at least one a round; within --num_assistant_tokens). Unset: all."},
+    )
     resume: bool = field(
         default=False,
         metadata={"help": "Continue the run in output_dir: prompts its records.jsonl.gz holds are not decoded again "
@@ -266,11 +271,12 @@ def run_identity(args, target, drafters, device) -> dict:
         "device": device.type,
         # Only where set, so that runs recorded before this setting existed still resume.
         **({"linear_backend": args.linear_backend} if args.linear_backend != "default" else {}),
+        **({"draft_confidence_threshold": args.draft_confidence_threshold} if args.draft_confidence_threshold else {}),
     }
 
 
 @torch.no_grad()
-def decode(target, inputs, drafter, carryover, temperature, max_new_tokens, seed, num_assistant_tokens=None):
+def decode(target, inputs, drafter, carryover, temperature, max_new_tokens, seed, args):
     """One timed generation -> (new token ids, seconds, the drafter's rounds; none for plain decoding)."""
     torch.manual_seed(seed)
     # T>0 is pure sampling (no top-k/top-p), as in the paper; transformers' default top_k=50 is switched off.
@@ -282,7 +288,8 @@ def decode(target, inputs, drafter, carryover, temperature, max_new_tokens, seed
         output = target.generate(**kwargs)
     else:
         output = carryover_generate(
-            target, assistant_model=drafter, carryover=carryover, num_assistant_tokens=num_assistant_tokens, **kwargs
+            target, assistant_model=drafter, carryover=carryover, num_assistant_tokens=args.num_assistant_tokens,
+            draft_confidence_threshold=args.draft_confidence_threshold, **kwargs,
         )
     _synchronize(target.device)
     seconds = time.perf_counter() - started
@@ -302,8 +309,7 @@ def measure(target, tokenizer, drafters, benchmark, args, records: RunRecords) -
         inputs = encode_prompt(tokenizer, prompt).to(target.device)
         for method in tqdm(methods * args.warmup, desc="warmup", leave=False):
             drafter, carryover = drafters.get(method, (None, None))
-            decode(target, inputs, drafter, carryover, args.temperatures[0], min(args.max_new_tokens, 32), args.seed,
-                   args.num_assistant_tokens)
+            decode(target, inputs, drafter, carryover, args.temperatures[0], min(args.max_new_tokens, 32), args.seed, args)
 
     for subset, prompts in benchmark.items():
         for temperature in args.temperatures:
@@ -338,7 +344,7 @@ def decode_prompt(target, tokenizer, drafters, prompt, temperature, index, args)
     for method in methods[index % len(methods) :] + methods[: index % len(methods)]:
         drafter, carryover = drafters.get(method, (None, None))
         tokens, seconds, rounds = decode(
-            target, inputs, drafter, carryover, temperature, args.max_new_tokens, args.seed + index, args.num_assistant_tokens
+            target, inputs, drafter, carryover, temperature, args.max_new_tokens, args.seed + index, args
         )
         outputs[method] = tokens
         results[method] = {"tokens": len(tokens), "seconds": seconds, "rounds": rounds_to_columns(rounds)}
@@ -450,6 +456,7 @@ def summarize(tallies, drafters, args) -> list[dict]:
                     "speedup": speed / plain_speed,
                     "mismatches": tally.mismatches if temperature == 0 else None,
                     **acceptance(tally.rounds, drafts_per_round(drafter.config.block_size, args.num_assistant_tokens)),
+                    "verified_drafts_per_round": mean(r.proposed for r in tally.rounds),
                     "t_draft": mean(r.draft_seconds for r in tally.rounds),
                     "t_verify": mean(r.verify_seconds for r in tally.rounds),
                     "t_ar": rows[PLAIN]["t_ar"],

@@ -12,6 +12,7 @@ from .generation_carryover import (
     DraftRound,
     GenerationStats,
     carryover_decoding,
+    confident_drafts,
     generate,
 )
 from .modeling_carryover import CarryoverDrafterModel, CarryoverDrafterOutput, rejected_rows
@@ -28,6 +29,7 @@ __all__ = [
     "DraftRound",
     "GenerationStats",
     "carryover_decoding",
+    "confident_drafts",
     "default_target_layer_ids",
     "generate",
     "rejected_rows",

@@ -14,7 +14,8 @@ Each round (batch size 1, like all assisted generation in transformers):
   1. the target's last verification forward returned hidden states for the window `[anchor, draft_1 .. draft_c]`;
   2. the anchor and the accepted drafts become committed drafter context (their keys/values are cached);
   3. with carryover, the rejected drafts' rows (+ E_carry) become read-only context for the next proposal only;
-  4. the drafter proposes up to `block_size - 1` tokens (or `num_assistant_tokens`) for the block `[new anchor, MASK ...]`;
+  4. the drafter proposes up to `block_size - 1` tokens (or `num_assistant_tokens`) for the block `[new anchor,
+     MASK ...]`, or with `draft_confidence_threshold` only as many as it is confident in (`confident_drafts`);
   5. transformers verifies them (greedy match or exact speculative sampling) and crops its own cache.
 """
 
@@ -77,6 +78,15 @@ def _synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def confident_drafts(slot_logits, threshold: float) -> int:
+    """How many leading drafts to verify: while the product of the drafter's top probabilities over its slots (its
+    own estimate that every draft so far is accepted at T=0) stays >= `threshold`; at least one. Where a verified
+    row costs real time (a CPU), unlikely drafts are not worth it. The count depends on the slots' distributions, never
+    on a sampled draft, so speculative sampling stays exact. slot_logits [c, scored vocab] -> int"""
+    confidence = slot_logits.float().softmax(-1).amax(-1).cumprod(0)  # [c], non-increasing
+    return max(1, int((confidence >= threshold).sum()))
+
+
 def drafts_per_round(block_size: int, num_assistant_tokens: int | None = None) -> int:
     """Drafts a round proposes: the block's block_size - 1 slots, or fewer with `num_assistant_tokens`."""
     if num_assistant_tokens is not None and num_assistant_tokens < 1:
@@ -89,8 +99,13 @@ class CarryoverCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(self, target, drafter, generation_config, logits_processor=None, carryover=None, input_ids=None):
+    def __init__(
+        self, target, drafter, generation_config, logits_processor=None, carryover=None, input_ids=None,
+        draft_confidence_threshold=None,
+    ):
         drafter.check_target(target.config)
+        if draft_confidence_threshold is not None and not 0 < draft_confidence_threshold <= 1:
+            raise ValueError(f"draft_confidence_threshold must be in (0, 1], got {draft_confidence_threshold}.")
         if input_ids is not None and input_ids.shape[0] != 1:
             raise ValueError(
                 f"Carryover decoding takes one sequence at a time (batch size 1, as transformers' assisted generation); "
@@ -103,6 +118,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         # num_speculative_tokens): the drafter still fills its whole block, the target verifies only the first ones.
         # Where verifying costs more per token than drafting (a CPU), fewer can be faster at the same block size.
         self.max_drafts = drafts_per_round(drafter.config.block_size, generation_config.num_assistant_tokens)
+        self.draft_confidence_threshold = draft_confidence_threshold
         self.carryover = drafter.config.carryover if carryover is None else bool(carryover)
         self.use_markov = drafter.config.markov_rank > 0
         self.embed_tokens = target.get_input_embeddings()
@@ -166,6 +182,8 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         self.pending = None
         hidden = out.last_hidden_state[0, 0, 1 : num_drafts + 1]  # slot k predicts the token at anchor + k
         logits = self.drafter.draft_logits(self.lm_head, hidden)  # [c, scored vocab]: the draft vocabulary, if any
+        if self.draft_confidence_threshold is not None:
+            logits = logits[: confident_drafts(logits, self.draft_confidence_threshold)]
         return self._choose_drafts(input_ids, logits)
 
     def _choose_drafts(self, input_ids, logits):
@@ -209,7 +227,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         carried = 0 if self.carried is None else self.carried[0].shape[2]
         self.current_round = DraftRound(
             anchor_position=input_ids.shape[1] - 1,
-            proposed=num_drafts,
+            proposed=candidates.shape[1] - input_ids.shape[1],
             carried=carried,
             committed_rows=self.cache.get_seq_length(),
             drafts=candidates[0, input_ids.shape[1] :].tolist(),
@@ -286,6 +304,7 @@ def carryover_decoding(
     carryover_drafter=None,
     carryover=None,
     carryover_streamer=None,
+    draft_confidence_threshold=None,
     inputs_tensor=None,
     **model_kwargs,
 ):
@@ -301,7 +320,8 @@ def carryover_decoding(
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError("Carryover decoding does not support padded prompts; pass the prompt without padding.")
     generator = CarryoverCandidateGenerator(
-        model, carryover_drafter, generation_config, logits_processor, carryover=carryover, input_ids=input_ids
+        model, carryover_drafter, generation_config, logits_processor, carryover=carryover, input_ids=input_ids,
+        draft_confidence_threshold=draft_confidence_threshold,
     )
     if carryover_streamer is not None:
         carryover_streamer.put(input_ids.cpu())
@@ -339,14 +359,18 @@ def _stop_strings_as_criterion(model, kwargs):
         kwargs["stop_strings"] = None
 
 
-def generate(model, *args, assistant_model=None, carryover=None, streamer=None, **kwargs):
+def generate(
+    model, *args, assistant_model=None, carryover=None, streamer=None, draft_confidence_threshold=None, **kwargs
+):
     """Speculative decoding of `model` (the target) with a Carryover drafter as `assistant_model`.
 
     This is both the Hub `custom_generate` entry point (`target.generate(..., assistant_model=drafter,
     custom_generate=<drafter folder>, trust_remote_code=True)`) and the in-process API
     (`modeling_carryover.generate(target, **inputs, assistant_model=drafter, max_new_tokens=...)`).
     `carryover=False` decodes with the same weights but without carried rows (the paper's OFF); the default is the
-    drafter config's `carryover`. Afterwards `assistant_model.generation_stats` holds the per-round records.
+    drafter config's `carryover`. `draft_confidence_threshold` (in (0, 1]) verifies only the leading drafts whose
+    running product of the drafter's top probabilities stays at or above it (at least one a round; `confident_drafts`),
+    within `num_assistant_tokens`. Afterwards `assistant_model.generation_stats` holds the per-round records.
     """
     if assistant_model is None or not hasattr(assistant_model, "block_inputs"):
         raise ValueError(
@@ -363,5 +387,6 @@ def generate(model, *args, assistant_model=None, carryover=None, streamer=None, 
         carryover_drafter=assistant_model,
         carryover=carryover,
         carryover_streamer=streamer,
+        draft_confidence_threshold=draft_confidence_threshold,
         **kwargs,
     )

@@ -62,6 +62,34 @@ def test_fewer_drafts_per_round_than_the_block_stay_lossless():
         mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=4, num_assistant_tokens=0)
 
 
+def test_confident_drafts_stay_lossless_and_shorten_unlikely_rounds():
+    """`draft_confidence_threshold`: a round verifies the leading drafts whose running product of the drafter's top
+    probabilities stays at or above it (at least one). Output equals plain greedy; higher thresholds verify fewer."""
+    top_probs = torch.tensor([0.9, 0.8, 0.5])  # running products 0.9, 0.72, 0.36
+    logits = torch.stack([torch.tensor([p, (1 - p) / 2, (1 - p) / 2]).log() for p in top_probs])
+    assert [mc.confident_drafts(logits, t) for t in (0.3, 0.5, 0.8, 0.95)] == [3, 2, 1, 1]
+
+    target, drafter, dataset = trained_drafter("llama", 8, 0)
+    mean_proposed = {}
+    for threshold in (0.01, 0.1, 0.4):  # this tiny drafter's top probabilities are low (0.2-0.8 at its first slot)
+        rounds = []
+        for prompt in prompts_for(dataset, target):
+            expected = target.generate(prompt, max_new_tokens=40, do_sample=False)
+            out = mc.generate(
+                target, prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False,
+                draft_confidence_threshold=threshold,
+            )
+            assert torch.equal(out, expected), threshold
+            rounds += drafter.generation_stats.rounds
+        assert all(1 <= r.proposed == len(r.drafts) <= 7 for r in rounds)
+        assert len({r.proposed for r in rounds}) > 1  # the round length follows the drafter's confidence
+        mean_proposed[threshold] = sum(r.proposed for r in rounds) / len(rounds)
+    assert mean_proposed[0.01] > mean_proposed[0.1] > mean_proposed[0.4], mean_proposed
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match=f"draft_confidence_threshold must be in \\(0, 1\\], got {bad}"):
+            mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=4, draft_confidence_threshold=bad)
+
+
 @pytest.mark.parametrize("carryover", [True, False])
 def test_eos_inside_a_block(carryover):
     target, drafter, dataset = trained_drafter("llama", 8, 0)

@@ -479,3 +479,16 @@ def test_onednn_linears_stay_lossless_and_are_recorded(workspace, tmp_path):
         run.main(argv + ["--resume", "true"])
     with pytest.raises(SystemExit):
         run.main(argv + ["--linear_backend", "mkl"])
+
+
+def test_confident_drafts_stay_lossless_and_are_recorded(workspace, tmp_path):
+    """--draft_confidence_threshold: rounds verify fewer drafts (reported per round), greedy outputs still equal plain
+    greedy ones, the setting is recorded, and a resumed run must share it."""
+    argv = eval_argv(workspace, tmp_path / "out", temperatures=("0",)) + ["--limit", "1"]
+    report = run.main(argv + ["--draft_confidence_threshold", "0.2"])
+    speculative = [r for r in report["results"] if r["drafter"] != run.PLAIN]
+    assert speculative and all(r["mismatches"] == 0 for r in speculative)
+    assert all(1 <= r["verified_drafts_per_round"] < r["drafts_per_round"] for r in speculative)
+    assert report["provenance"]["settings"]["draft_confidence_threshold"] == 0.2
+    with pytest.raises(ValueError, match="differ in draft_confidence_threshold"):
+        run.main(argv + ["--resume", "true"])

@@ -66,10 +66,11 @@ SETTINGS = {"plain": {}, "warped": {"temperature": 0.7, "top_k": 4}}
 
 
 @pytest.mark.parametrize(
-    "markov_rank, setting, draft_vocab_size",
-    [(0, "plain", None), (4, "plain", None), (0, "warped", None), (4, "warped", None), (0, "plain", 4), (4, "warped", 4)],
+    "markov_rank, setting, draft_vocab_size, confidence",
+    [(0, "plain", None, None), (4, "plain", None, None), (0, "warped", None, None), (4, "warped", None, None),
+     (0, "plain", 4, None), (4, "warped", 4, None), (0, "plain", None, 0.5)],
 )
-def test_sampling_matches_target_distribution(markov_rank, setting, draft_vocab_size):
+def test_sampling_matches_target_distribution(markov_rank, setting, draft_vocab_size, confidence):
     target, drafter, prompt = tiny_sampling_setup(markov_rank, draft_vocab_size)
     kwargs = SETTINGS[setting]
     processors = LogitsProcessorList()
@@ -81,7 +82,8 @@ def test_sampling_matches_target_distribution(markov_rank, setting, draft_vocab_
 
     def speculative(ids):
         out = mc.generate(
-            target, ids, assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=True, carryover=True, **kwargs
+            target, ids, assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=True, carryover=True,
+            draft_confidence_threshold=confidence, **kwargs,
         )
         rounds.extend(drafter.generation_stats.rounds)
         return out
@@ -93,6 +95,8 @@ def test_sampling_matches_target_distribution(markov_rank, setting, draft_vocab_
         assert not {d for r in rounds for d in r.drafts} & set(outside)
     # up to two drafts per round judged by speculative sampling, accepted often and rejected often
     assert max(r.proposed for r in rounds) == 2
+    if confidence:  # rounds with room for two drafts verify one or two by the drafter's confidence (prompt: 5 tokens)
+        assert {r.proposed for r in rounds if r.anchor_position + 1 + 2 < prompt.shape[1] + NEW_TOKENS} == {1, 2}
     accepted = sum(r.accepted for r in rounds) / sum(r.proposed for r in rounds)
     assert 0.2 < accepted < 0.95, accepted
     assert sum(r.carried > 0 for r in rounds) > 0.1 * len(rounds)  # carryover rounds are part of what is judged
