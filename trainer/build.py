@@ -181,7 +181,9 @@ def load_training_rows(paths: str | list[str], num_shards: int | None = None) ->
     paths = [paths] if isinstance(paths, str) else list(paths)
     if len(paths) > 1:
         if num_shards is not None:
-            raise ValueError(f"A shard count picks the first shards of one regenerated folder, not of {len(paths)} datasets")
+            raise ValueError(
+                f"A shard count picks the first shards of one regenerated folder, not of {len(paths)} datasets"
+            )
         parts = [load_training_rows(path) for path in paths]
         common = [c for c in parts[0].column_names if all(c in part.column_names for part in parts)]
         return concatenate_datasets([part.select_columns(common) for part in parts])
