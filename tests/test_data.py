@@ -329,6 +329,33 @@ def test_a_shard_interrupted_while_being_written_is_not_kept(taught_target, tmp_
     assert resumed.to_dict() == reference.to_dict()
 
 
+def test_a_finished_run_grows_with_more_prompts_in_whole_shards(taught_target, tmp_path):
+    prompts = ["hello", "name a color", "count to three", "say hi", "count to two", "name a colour", "hello there"]
+    settings = dict(shard_size=2, batch_size=2, max_new_tokens=12, do_sample=True, seed=3, progress=False)
+    reference = regenerate(taught_target, TOK, prompts, tmp_path / "reference", **settings)
+    out = tmp_path / "grown"
+    regenerate(taught_target, TOK, prompts[:4], out, **settings)
+    shard_0 = (out / "shard-00000.parquet").stat().st_mtime_ns
+    generate, calls = taught_target.generate, []
+    taught_target.generate = lambda *a, **k: calls.append(1) or generate(*a, **k)
+    try:
+        grown = regenerate(taught_target, TOK, prompts, out, **settings)
+    finally:
+        del taught_target.generate
+    assert len(calls) == 2 and (out / "shard-00000.parquet").stat().st_mtime_ns == shard_0  # only the new shards
+    assert grown.to_dict() == reference.to_dict()
+    assert json.loads((out / MANIFEST).read_text()) == json.loads((tmp_path / "reference" / MANIFEST).read_text())
+    # no growth where the recorded run's last shard is partial, its prompts differ, or its settings do
+    partial = tmp_path / "partial"
+    regenerate(taught_target, TOK, prompts[:3], partial, **settings)
+    with pytest.raises(ValueError, match="different num_prompts, prompts_fingerprint"):
+        regenerate(taught_target, TOK, prompts, partial, **settings)
+    with pytest.raises(ValueError, match="different num_prompts, prompts_fingerprint"):
+        regenerate(taught_target, TOK, ["goodbye", *prompts], out, **settings)
+    with pytest.raises(ValueError, match="different num_prompts, prompts_fingerprint, settings.seed"):
+        regenerate(taught_target, TOK, [*prompts, "goodbye"], out, **{**settings, "seed": 4})
+
+
 def test_metadata_is_recorded_and_a_mismatched_resume_raises(taught_target, tmp_path):
     out, prompts = tmp_path / "out", ["hello", "name a color"]
     settings = dict(shard_size=1, max_new_tokens=8, target_name="tiny-taught", progress=False)

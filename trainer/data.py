@@ -414,6 +414,21 @@ def check_resumable(output_dir: Path, manifest: dict, manifest_file: str, shard_
         )
 
 
+def _grows(output_dir: Path, manifest: dict, prompts: list) -> bool:
+    """Whether `output_dir` holds a finished-or-resumable run of these settings whose prompts are the first prompts of
+    `prompts`, in whole shards: such a run grows (new shards for the new prompts) instead of being refused, so a
+    dataset is extended in a later session without redoing a shard."""
+    path = output_dir / MANIFEST
+    if not path.exists():
+        return False
+    recorded = json.loads(path.read_text())
+    num_recorded = recorded.get("num_prompts") or 0
+    if not 0 < num_recorded < len(prompts) or num_recorded % manifest["shard_size"]:
+        return False
+    prefix = dict(manifest, prompts_fingerprint=_sha256(prompts[:num_recorded]), num_prompts=num_recorded)
+    return _resume_view(recorded) == _resume_view(prefix)
+
+
 def _generate_shard(
     target,
     tokenizer,
@@ -497,7 +512,8 @@ def regenerate(
     Prompts are deduplicated (`deduplicate`); shard k holds the responses to prompts [k*shard_size, (k+1)*shard_size)
     of that list and is written atomically, so an interrupted run resumes at the first missing shard and a finished
     shard is never redone. The manifest (MANIFEST) records the prompt-list fingerprint, the generation settings and
-    the package versions; resuming with other prompts or settings raises instead of mixing two datasets.
+    the package versions; resuming with other prompts or settings raises instead of mixing two datasets. A finished
+    run grows: called again with more prompts that start with its own (in whole shards), it adds their shards.
 
     Each prompt is rendered as one user turn with `add_generation_prompt=True`. Greedy unless `do_sample`
     (seeded per shard). A response stops at its end-of-turn/EOS token (kept), after `max_new_tokens`, or where the
@@ -539,6 +555,8 @@ def regenerate(
     }
     manifest = json.loads(json.dumps(manifest))  # compare as it reads back from disk (tuples -> lists)
     output_dir = Path(output_dir)
+    if _grows(output_dir, manifest, prompts):  # the grown list's first shards are the recorded ones
+        write_atomic(output_dir / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2)))
     check_resumable(output_dir, manifest, MANIFEST, "shard-*.parquet", _resume_view)
 
     shards = [prompts[start : start + shard_size] for start in range(0, len(prompts), shard_size)]
