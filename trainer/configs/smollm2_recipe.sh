@@ -16,50 +16,78 @@ RECIPE=trainer/configs/smollm2_$VARIANT.yaml
 SHIPPED=hub/embedded/smollm2-135m-instruct
 DATA=data/smollm2-mix
 FEATURES=data/smollm2-mix-features
+STUBS=data/smollm2-stub                      # DFlash stage 3d: HumanEval-form stubs of the same coding functions
+MIXSTUB_FEATURES=data/smollm2-mixstub-features
 OUT=runs/smollm2-$VARIANT
 [ -f "$RECIPE" ] || { echo "VARIANT must be dflash or markov (no $RECIPE)" >&2; exit 2; }
 
 # 1. Data: the shipped responses if the checkout has them (nobody regenerates them twice), else regenerate.
-if [ ! -f "$DATA/regeneration.json" ] && [ -f "$SHIPPED/data/regeneration.json" ]; then
-  mkdir -p "$DATA" && cp "$SHIPPED"/data/*.parquet "$SHIPPED"/data/*.json* "$DATA"/
-fi
+shipped_data() {  # folder in the checkout, data folder
+  if [ ! -f "$2/regeneration.json" ] && [ -f "$1/regeneration.json" ]; then
+    mkdir -p "$2" && cp "$1"/*.parquet "$1"/*.json* "$2"/
+  fi
+}
+shipped_data "$SHIPPED/data" "$DATA"
 python -m trainer.regenerate --data_dir "$DATA" --prompts python-code magpie --num_prompts 2000 1000 \
   --magpie_max_new_tokens 64 --max_new_tokens 256 --generation_batch_size 128 --shard_size 256 \
   --target_dtype bfloat16 --threads "$THREADS"
+if [ "$VARIANT" = dflash ]; then  # the 2,000 coding functions of the mix again, as stubs to complete
+  shipped_data "$SHIPPED/data-stub" "$STUBS"
+  python -m trainer.regenerate --data_dir "$STUBS" --prompts python-stub --num_prompts 2000 --max_new_tokens 256 \
+    --generation_batch_size 128 --shard_size 256 --target_dtype bfloat16 --threads "$THREADS"
+fi
 
 # 2. The target's feature layers of every row (and its last layer, which the Markov objectives read), once.
-python -m trainer.features --dataset "$DATA" --output_dir "$FEATURES" --target_layer_ids 1 8 15 22 27 \
-  --final_hidden true --max_seq_length 512 --batch_size 8 --target_dtype bfloat16 --threads "$THREADS"
+features() {  # output_dir, dataset folders...
+  local out=$1; shift
+  python -m trainer.features --dataset "$@" --output_dir "$out" --target_layer_ids 1 8 15 22 27 \
+    --final_hidden true --max_seq_length 512 --batch_size 8 --target_dtype bfloat16 --threads "$THREADS"
+}
+features "$FEATURES" "$DATA"
+if [ "$VARIANT" = dflash ]; then
+  features "$MIXSTUB_FEATURES" "$DATA" "$STUBS"
+fi
 
 train() {  # output_dir, extra flags...; resumes from the last checkpoint of an interrupted run
   local out=$1; shift
   [ -f "$out/model.safetensors" ] && return 0
   local resume=()
   ls -d "$out"/checkpoint-* >/dev/null 2>&1 && resume=(--resume_from_checkpoint latest)
-  python trainer/run.py "$RECIPE" --dataset "$DATA" --features "$FEATURES" \
-    --output_dir "$out" --threads "$THREADS" "${resume[@]}" "$@"
+  python trainer/run.py "$RECIPE" --output_dir "$out" --threads "$THREADS" "${resume[@]}" "$@"
 }
-# 3. The baseline. DFlash, in three stages: 3 epochs on the first 1,024 responses (shards 0-3: the first drafter
-# shipped), the recipe's 2 epochs on all of them from those weights with a fresh schedule, then 2,400 more steps
-# (6.4 epochs) with the learning rate restarted: the shipped baseline. Markov: the 2-epoch DFlash baseline with a
-# new Markov head, trained for the recipe file's steps (run VARIANT=dflash first).
+mix=(--dataset "$DATA" --features "$FEATURES")
+mixstub=(--dataset "$DATA" "$STUBS" --features "$MIXSTUB_FEATURES")
+# 3. The baseline. DFlash, in four stages: 3 epochs on the first 1,024 responses (shards 0-3: the first drafter
+# shipped), the recipe's 2 epochs on all of them from those weights with a fresh schedule, 2,400 more steps (6.4
+# epochs) with the learning rate restarted, then 1,600 steps on the mix and the stubs together: the shipped
+# baseline. Markov: the 2-epoch DFlash baseline with a new Markov head, trained for the recipe file's steps (run
+# VARIANT=dflash first).
 if [ "$VARIANT" = dflash ]; then
-  # An earlier recipe wrote the 2-epoch baseline to $OUT/baseline: continuing from it would skip stage 3c.
-  if [ -f "$OUT/baseline/model.safetensors" ] && [ ! -e "$OUT/baseline-2ep" ]; then
-    echo "$OUT/baseline is an earlier recipe's 2-epoch baseline: rename it to $OUT/baseline-2ep (and move its" \
-      "carryover and control aside), then run this again" >&2
+  # Earlier recipes wrote the 2-epoch baseline, then the 2,400-step one, to $OUT/baseline: continuing from either
+  # would skip a stage.
+  earlier=""
+  [ -f "$OUT/baseline/model.safetensors" ] && [ ! -e "$OUT/baseline-2ep" ] && earlier=baseline-2ep
+  [ -f "$OUT/baseline/model.safetensors" ] && [ ! -e "$OUT/baseline-long" ] && [ -z "$earlier" ] && earlier=baseline-long
+  if [ -n "$earlier" ]; then
+    echo "$OUT/baseline is an earlier recipe's baseline: rename it to $OUT/$earlier (and move its carryover and" \
+      "control aside), then run this again" >&2
     exit 2
   fi
-  train "$OUT/pilot" --dataset_shards 4 --num_train_epochs 3
-  train "$OUT/baseline-2ep" --drafter_checkpoint "$OUT/pilot"
-  train "$OUT/baseline" --drafter_checkpoint "$OUT/baseline-2ep" --max_steps 2400 --warmup_steps 50
+  train "$OUT/pilot" "${mix[@]}" --dataset_shards 4 --num_train_epochs 3
+  train "$OUT/baseline-2ep" "${mix[@]}" --drafter_checkpoint "$OUT/pilot"
+  train "$OUT/baseline-long" "${mix[@]}" --drafter_checkpoint "$OUT/baseline-2ep" --max_steps 2400 --warmup_steps 50
+  train "$OUT/baseline" "${mixstub[@]}" --drafter_checkpoint "$OUT/baseline-long" --max_steps 1600 --warmup_steps 50 \
+    --learning_rate 3e-4
+  data=("${mixstub[@]}")
 else
   [ -f runs/smollm2-dflash/baseline-2ep/model.safetensors ] || { echo "Run VARIANT=dflash first: the Markov baseline starts from its 2-epoch baseline" >&2; exit 2; }
-  train "$OUT/baseline"
+  train "$OUT/baseline" "${mix[@]}"
+  data=("${mix[@]}")
 fi
 # 4. Its two continuations of equal length: with carryover (the two-pass draft-verify-draft objective) and without
 # (the control), from the same weights and the same data order.
-continuation=(--drafter_checkpoint "$OUT/baseline" --max_steps "$CONTINUE_STEPS" --warmup_steps 0 --learning_rate 3e-4)
+continuation=("${data[@]}" --drafter_checkpoint "$OUT/baseline" --max_steps "$CONTINUE_STEPS" --warmup_steps 0 \
+  --learning_rate 3e-4)
 train "$OUT/carryover" "${continuation[@]}" --carryover true
 train "$OUT/control" "${continuation[@]}"
 
