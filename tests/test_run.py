@@ -47,7 +47,11 @@ def test_cli_trains_a_checkpoint_that_decodes(tiny_setup, tmp_path):
     assert "pin_memory" not in result.stderr  # set only where an accelerator can use it
     files = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "modeling_carryover.py", "custom_generate", TRAINING_SETTINGS_FILE} <= files
-    assert json.loads((out / TRAINING_SETTINGS_FILE).read_text())["torch_threads"] == 2  # --threads, over OMP_NUM_THREADS
+    record = json.loads((out / TRAINING_SETTINGS_FILE).read_text())
+    assert record["torch_threads"] == 2  # --threads, over OMP_NUM_THREADS
+    assert record["inputs"] == {  # what the run read, for the model card
+        "dataset": [str(root / "data")], "dataset_shards": None, "features": None, "drafter_checkpoint": None,
+    }
     drafter = mc.CarryoverDrafterModel.from_pretrained(out)
     assert drafter.config.carryover is False  # a baseline checkpoint decodes without carryover by default
     prompt = torch.randint(0, 96, (1, 6))
@@ -78,6 +82,7 @@ def test_continue_a_baseline_with_carryover_and_the_control(tiny_setup, tmp_path
         assert trainer.optimizer.state_dict()["state"][0]["step"].item() == 2  # a fresh optimizer: 2 steps of Adam
         saved = mc.CarryoverDrafterModel.from_pretrained(tmp_path / name)
         assert saved.config.carryover is (name == "carryover")  # each decodes the way it was trained
+        assert json.loads((tmp_path / name / TRAINING_SETTINGS_FILE).read_text())["inputs"]["drafter_checkpoint"] == str(baseline)
         continued[name] = saved.state_dict()
     assert not torch.equal(continued["carryover"]["fc.weight"], continued["control"]["fc.weight"])
     assert torch.equal(continued["control"]["carry_embedding"], start["carry_embedding"])  # untouched without carryover

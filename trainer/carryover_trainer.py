@@ -93,10 +93,12 @@ class CarryoverTrainer(Trainer):
         target_model=None,
         carryover_args: CarryoverArguments | None = None,
         target_features: TargetFeatures | None = None,
+        inputs_record: dict | None = None,
         **kwargs,
     ):
         """`target_features`: the target's stored layers for the rows of the datasets (which must come from
-        `target_features.attach`); without it, each step computes them with a target forward."""
+        `target_features.attach`); without it, each step computes them with a target forward. `inputs_record`: what
+        the run read (data folders, features, starting checkpoint), kept as `inputs` in carryover_training.json."""
         if target_model is None:
             raise ValueError("CarryoverTrainer needs the frozen target: CarryoverTrainer(..., target_model=target).")
         kwargs.setdefault("data_collator", partial(pad_collator, features=target_features))
@@ -111,6 +113,7 @@ class CarryoverTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.args.remove_unused_columns = False  # loss_mask is not a drafter forward argument
         self.carryover_args = carryover_args or CarryoverArguments()
+        self.inputs_record = inputs_record
         weight = self.carryover_args.first_pass_loss_weight
         if weight < 0 or (weight > 0 and not self.carryover_args.carryover):
             raise ValueError(
@@ -242,5 +245,7 @@ class CarryoverTrainer(Trainer):
                 "target": getattr(self.target_model.config, "_name_or_path", None),
                 "torch_threads": torch.get_num_threads(),
             }
+            if self.inputs_record:
+                settings["inputs"] = self.inputs_record
             with open(os.path.join(output_dir, TRAINING_SETTINGS_FILE), "w") as f:
                 json.dump(settings, f, indent=2, default=str)

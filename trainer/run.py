@@ -103,6 +103,12 @@ def main(argv=None):
         target_model=target,
         carryover_args=carryover_args,
         target_features=features,
+        inputs_record={
+            "dataset": data_args.dataset or [regeneration_args.data_dir],
+            "dataset_shards": data_args.dataset_shards,
+            "features": data_args.features,
+            "drafter_checkpoint": drafter_args.drafter_checkpoint,
+        },
     )
     resume = training_args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume in ("true", "latest") else resume)
