@@ -16,7 +16,7 @@ RECIPE=trainer/configs/smollm2_$VARIANT.yaml
 SHIPPED=hub/embedded/smollm2-135m-instruct
 DATA=data/smollm2-mix
 FEATURES=data/smollm2-mix-features
-STUBS=data/smollm2-stub                      # DFlash stage 3d: HumanEval-form stubs of the same coding functions
+STUBS=data/smollm2-stub                      # HumanEval-form stubs of the same coding functions (from stage 3d)
 MIXSTUB_FEATURES=data/smollm2-mixstub-features
 OUT=runs/smollm2-$VARIANT
 [ -f "$RECIPE" ] || { echo "VARIANT must be dflash or markov (no $RECIPE)" >&2; exit 2; }
@@ -31,11 +31,10 @@ shipped_data "$SHIPPED/data" "$DATA"
 python -m trainer.regenerate --data_dir "$DATA" --prompts python-code magpie --num_prompts 2000 1000 \
   --magpie_max_new_tokens 64 --max_new_tokens 256 --generation_batch_size 128 --shard_size 256 \
   --target_dtype bfloat16 --threads "$THREADS"
-if [ "$VARIANT" = dflash ]; then  # the 2,000 coding functions of the mix again, as stubs to complete
-  shipped_data "$SHIPPED/data-stub" "$STUBS"
-  python -m trainer.regenerate --data_dir "$STUBS" --prompts python-stub --num_prompts 2000 --max_new_tokens 256 \
-    --generation_batch_size 128 --shard_size 256 --target_dtype bfloat16 --threads "$THREADS"
-fi
+# The 2,000 coding functions of the mix again, as stubs to complete.
+shipped_data "$SHIPPED/data-stub" "$STUBS"
+python -m trainer.regenerate --data_dir "$STUBS" --prompts python-stub --num_prompts 2000 --max_new_tokens 256 \
+  --generation_batch_size 128 --shard_size 256 --target_dtype bfloat16 --threads "$THREADS"
 
 # 2. The target's feature layers of every row (and its last layer, which the Markov objectives read), once.
 features() {  # output_dir, dataset folders...
@@ -43,10 +42,8 @@ features() {  # output_dir, dataset folders...
   python -m trainer.features --dataset "$@" --output_dir "$out" --target_layer_ids 1 8 15 22 27 \
     --final_hidden true --max_seq_length 512 --batch_size 8 --target_dtype bfloat16 --threads "$THREADS"
 }
-features "$FEATURES" "$DATA"
-if [ "$VARIANT" = dflash ]; then
-  features "$MIXSTUB_FEATURES" "$DATA" "$STUBS"
-fi
+[ "$VARIANT" = dflash ] && features "$FEATURES" "$DATA"  # the DFlash stages before 3d read the mix alone
+features "$MIXSTUB_FEATURES" "$DATA" "$STUBS"
 
 train() {  # output_dir, extra flags...; resumes from the last checkpoint of an interrupted run
   local out=$1; shift
@@ -60,8 +57,8 @@ mixstub=(--dataset "$DATA" "$STUBS" --features "$MIXSTUB_FEATURES")
 # 3. The baseline. DFlash, in four stages: 3 epochs on the first 1,024 responses (shards 0-3: the first drafter
 # shipped), the recipe's 2 epochs on all of them from those weights with a fresh schedule, 2,400 more steps (6.4
 # epochs) with the learning rate restarted, then 1,600 steps on the mix and the stubs together: the shipped
-# baseline. Markov: the 2-epoch DFlash baseline with a new Markov head, trained for the recipe file's steps (run
-# VARIANT=dflash first).
+# baseline. Markov: the DFlash baseline with a new Markov head, trained on the mix and the stubs for the recipe
+# file's steps (run VARIANT=dflash first).
 if [ "$VARIANT" = dflash ]; then
   # Earlier recipes wrote the 2-epoch baseline, then the 2,400-step one, to $OUT/baseline: continuing from either
   # would skip a stage.
@@ -78,15 +75,21 @@ if [ "$VARIANT" = dflash ]; then
   train "$OUT/baseline-long" "${mix[@]}" --drafter_checkpoint "$OUT/baseline-2ep" --max_steps 2400 --warmup_steps 50
   train "$OUT/baseline" "${mixstub[@]}" --drafter_checkpoint "$OUT/baseline-long" --max_steps 1600 --warmup_steps 50 \
     --learning_rate 3e-4
-  data=("${mixstub[@]}")
 else
-  [ -f runs/smollm2-dflash/baseline-2ep/model.safetensors ] || { echo "Run VARIANT=dflash first: the Markov baseline starts from its 2-epoch baseline" >&2; exit 2; }
-  train "$OUT/baseline" "${mix[@]}"
-  data=("${mix[@]}")
+  [ -f runs/smollm2-dflash/baseline/model.safetensors ] || { echo "Run VARIANT=dflash first: the Markov baseline starts from its baseline" >&2; exit 2; }
+  if [ -f "$OUT/baseline/model.safetensors" ]; then  # earlier recipes started it from the 2-epoch DFlash baseline
+    python - "$OUT/baseline" <<'PY' || exit 2
+import json, sys
+inputs = json.load(open(f"{sys.argv[1]}/carryover_training.json")).get("inputs", {})
+if inputs.get("drafter_checkpoint") != "runs/smollm2-dflash/baseline":
+    sys.exit(f"{sys.argv[1]} is an earlier recipe's Markov baseline: move it (and its carryover and control) aside, then run this again")
+PY
+  fi
+  train "$OUT/baseline" "${mixstub[@]}"
 fi
 # 4. Its two continuations of equal length: with carryover (the two-pass draft-verify-draft objective) and without
 # (the control), from the same weights and the same data order.
-continuation=("${data[@]}" --drafter_checkpoint "$OUT/baseline" --max_steps "$CONTINUE_STEPS" --warmup_steps 0 \
+continuation=("${mixstub[@]}" --drafter_checkpoint "$OUT/baseline" --max_steps "$CONTINUE_STEPS" --warmup_steps 0 \
   --learning_rate 3e-4)
 train "$OUT/carryover" "${continuation[@]}" --carryover true
 train "$OUT/control" "${continuation[@]}"
