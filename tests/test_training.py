@@ -575,6 +575,31 @@ def test_markov_head_warm_starts_from_a_dflash_checkpoint(tmp_path):
         build_drafter(target, DrafterArguments(drafter_checkpoint=str(tmp_path / "markov"), markov_rank=8))
 
 
+def test_more_layers_grow_from_a_trained_checkpoint(tmp_path):
+    """`--drafter_checkpoint <drafter> --num_draft_layers <more>`: the new layers start with zero residual outputs, so
+    the grown drafter drafts exactly as the checkpoint; training then moves them, decoding stays lossless; a
+    checkpoint's layers are never dropped."""
+    from trainer.build import DrafterArguments, build_drafter
+
+    target, trained, dataset = trained_drafter("llama", 4, 0)
+    trained.save_pretrained(tmp_path / "small")
+    num_layers = trained.config.num_hidden_layers
+    grown = build_drafter(target, DrafterArguments(drafter_checkpoint=str(tmp_path / "small"), num_draft_layers=num_layers + 2))
+    assert grown.config.num_hidden_layers == len(grown.layers) == num_layers + 2
+    assert grown.config.layer_types == trained.config.layer_types + trained.config.layer_types[-1:] * 2
+    new_layer = grown.layers[-1]
+    assert new_layer.self_attn.o_proj.weight.abs().max() == 0 and new_layer.mlp.down_proj.weight.abs().max() == 0
+    assert torch.equal(new_layer.self_attn.q_proj.weight, trained.layers[-1].self_attn.q_proj.weight)
+    trained_rounds = [r.drafts for r in lossless_rounds(target, trained, dataset, num_prompts=3, max_new_tokens=40)]
+    assert [r.drafts for r in lossless_rounds(target, grown, dataset, num_prompts=3, max_new_tokens=40)] == trained_rounds
+    train_drafter(target, grown, dataset, epochs=1)
+    assert new_layer.self_attn.o_proj.weight.abs().max() > 0 and new_layer.mlp.down_proj.weight.abs().max() > 0
+    lossless_rounds(target, grown, dataset, num_prompts=3, max_new_tokens=40)
+    grown.save_pretrained(tmp_path / "grown")
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        build_drafter(target, DrafterArguments(drafter_checkpoint=str(tmp_path / "grown"), num_draft_layers=num_layers))
+
+
 def test_init_from_target_starts_lower():
     from trainer.build import DrafterArguments, build_drafter
     from trainer.objectives import training_step_loss

@@ -34,15 +34,19 @@ ARCHITECTURE_FIELDS = {
 @dataclass
 class DrafterArguments:
     """The drafter's architecture (a new drafter; unset fields take the defaults in brackets) or a checkpoint to
-    continue from. A checkpoint's architecture stays, with two exceptions that start exactly as the checkpoint:
-    `carryover_interface` (the ablation interfaces) and `markov_rank` on a checkpoint without a Markov head (the
-    Markov variant warm-started from a DFlash drafter)."""
+    continue from. A checkpoint's architecture stays, with three exceptions that start exactly as the checkpoint:
+    `carryover_interface` (the ablation interfaces), `markov_rank` on a checkpoint without a Markov head (the
+    Markov variant warm-started from a DFlash drafter) and a larger `num_draft_layers` (a deeper drafter grown from
+    a trained one)."""
 
     drafter_checkpoint: str | None = field(
         default=None,
         metadata={"help": "Continue from this drafter checkpoint (e.g. the baseline, for carryover training)."},
     )
-    num_draft_layers: int | None = field(default=None, metadata={"help": "Decoder layers [1; the paper: 5]."})
+    num_draft_layers: int | None = field(
+        default=None,
+        metadata={"help": "Decoder layers [1; the paper: 5]; more than a --drafter_checkpoint's grows it (extend_drafter)."},
+    )
     block_size: int | None = field(default=None, metadata={"help": "Block size: block_size - 1 drafts per round [16]."})
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "0-based target layers whose outputs are the features [DFlash's rule]."}
@@ -120,14 +124,16 @@ def load_or_create_drafter(target, args: DrafterArguments, rows: Dataset | None 
     drafter = CarryoverDrafterModel.from_pretrained(args.drafter_checkpoint, dtype=torch.float32)
     drafter.check_target(target.config)
     changed = {k: v for k, v in args.overrides().items() if getattr(drafter.config, k) != v}
-    extension = {k: changed.pop(k) for k in ("carryover_interface", "markov_rank") if k in changed}
+    extension = {k: changed.pop(k) for k in ("carryover_interface", "markov_rank", "num_hidden_layers") if k in changed}
     if extension.get("markov_rank") is not None and drafter.config.markov_rank:
         changed["markov_rank"] = extension.pop("markov_rank")  # a trained Markov head is not resized
+    if extension.get("num_hidden_layers", drafter.config.num_hidden_layers) < drafter.config.num_hidden_layers:
+        changed["num_hidden_layers"] = extension.pop("num_hidden_layers")  # trained layers are not dropped
     if changed:
         raise ValueError(
             f"{args.drafter_checkpoint} has {', '.join(f'{k}={getattr(drafter.config, k)!r}' for k in changed)}; "
             f"the arguments ask for {changed}. A checkpoint's architecture cannot change (only carryover_interface, "
-            "and markov_rank on a drafter without a Markov head)."
+            "markov_rank on a drafter without a Markov head, and more layers)."
         )
     return extend_drafter(drafter, **extension) if extension else drafter
 
@@ -161,17 +167,36 @@ def draft_vocab_from_rows(rows: Dataset, size: int, vocab_size: int, always: lis
 
 
 def extend_drafter(drafter: CarryoverDrafterModel, **changes) -> CarryoverDrafterModel:
-    """The same drafter with another carryover marker (Table 3b's ablation: `carryover_interface`) or a new Markov
-    head (`markov_rank`, on a drafter without one). Every shared weight is kept; the new marker and the Markov
-    correction W2 start at zero, so the extended drafter drafts exactly as the original; an old marker is dropped."""
+    """The same drafter with another carryover marker (Table 3b's ablation: `carryover_interface`), a new Markov
+    head (`markov_rank`, on a drafter without one) or more decoder layers (`num_hidden_layers`). Every shared weight
+    is kept; the new marker, the Markov correction W2 and the new layers' residual outputs start at zero, so the
+    extended drafter drafts exactly as the original; an old marker is dropped."""
     config = copy.deepcopy(drafter.config)
     for key, value in changes.items():
         setattr(config, key, value)
+    num_old = drafter.config.num_hidden_layers
+    config.layer_types = drafter.config.layer_types + drafter.config.layer_types[-1:] * (config.num_hidden_layers - num_old)
     extended = CarryoverDrafterModel(config)
     missing, _ = extended.load_state_dict(drafter.state_dict(), strict=False)
-    new_parts = ("carry_embedding", "carry_proj", "markov_embed", "markov_proj", "confidence_head")
+    new_layers = tuple(f"layers.{i}." for i in range(num_old, config.num_hidden_layers))
+    new_parts = ("carry_embedding", "carry_proj", "markov_embed", "markov_proj", "confidence_head") + new_layers
     assert all(key.startswith(new_parts) for key in missing), missing
+    with torch.no_grad():
+        for layer in extended.layers[num_old:]:
+            grow_layer(layer, drafter.layers[-1])
     return extended
+
+
+@torch.no_grad()
+def grow_layer(layer, last_layer) -> None:
+    """A new layer appended to a trained drafter: a copy of its last layer (attention and MLP weights already suited
+    to the residual stream they read) whose residual outputs (o_proj, down_proj) start at zero, so that it adds
+    nothing until training moves them (the gradient reaches them first, then the rest of the layer)."""
+    layer.load_state_dict(last_layer.state_dict())
+    for output in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        output.weight.zero_()
+        if output.bias is not None:
+            output.bias.zero_()
 
 
 def load_training_rows(paths: str | list[str], num_shards: int | None = None) -> Dataset:
