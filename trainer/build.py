@@ -181,9 +181,8 @@ def extend_drafter(drafter: CarryoverDrafterModel, **changes) -> CarryoverDrafte
     new_layers = tuple(f"layers.{i}." for i in range(num_old, config.num_hidden_layers))
     new_parts = ("carry_embedding", "carry_proj", "markov_embed", "markov_proj", "confidence_head") + new_layers
     assert all(key.startswith(new_parts) for key in missing), missing
-    with torch.no_grad():
-        for layer in extended.layers[num_old:]:
-            grow_layer(layer, drafter.layers[-1])
+    for layer in extended.layers[num_old:]:
+        grow_layer(layer, drafter.layers[-1])
     return extended
 
 
