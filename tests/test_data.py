@@ -224,6 +224,20 @@ def test_python_stubs_pose_the_same_functions_as_source_files_to_complete():
         assert len(docstring) <= 600 or "\n\n" not in docstring  # whole paragraphs up to the cap (the first always)
 
 
+def test_excluded_functions_leave_the_rest_of_the_draw_in_order(tmp_path):
+    """`--exclude_prompts <held-out benchmark>`: its functions are never drawn, and the draw's other prompts keep their
+    order, so a regeneration grown with the exclusion starts with the prompts it already has."""
+    from trainer.regenerate import RegenerationArguments, mixed_prompts
+
+    draw = python_code_prompts(62, seed=0, stubs=True)
+    held_out = [draw[52], draw[57]]  # a benchmark of two functions the first 50 prompts do not name
+    (tmp_path / "heldout.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held_out))
+    args = RegenerationArguments(prompts=["python-stub"], num_prompts=[60], exclude_prompts=[str(tmp_path / "heldout.jsonl")])
+    grown = mixed_prompts(None, None, args)
+    assert grown == [p for p in draw if p not in held_out]  # the first 50 as before, then the draw without the two
+    assert python_code_prompts(50, seed=0, stubs=True) == grown[:50]
+
+
 def test_mixed_prompt_sources_need_one_count_each_and_are_shuffled_together(tmp_path):
     from trainer.regenerate import RegenerationArguments, mixed_prompts
 

@@ -330,13 +330,17 @@ def _stub(name: str, args: str, docstring: str) -> str:
     return f'def {name}({args}):\n    """{body[4:]}\n    """\n'
 
 
-def python_code_prompts(num_prompts: int, seed: int = 0, skip_names: Iterable[str] = (), stubs: bool = False) -> list:
+def python_code_prompts(
+    num_prompts: int, seed: int = 0, skip_names: Iterable[str] = (), stubs: bool = False, exclude_names: Iterable[str] = ()
+) -> list:
     """Coding tasks made from the documented public functions of Python's standard library on this machine.
 
     Each task names a function, its signature and the first paragraph of its docstring, in one of a few phrasings; a
     name is used once. Which functions are drawn depends only on `seed` and the Python version. They give the
     drafter a good share of code to learn from without downloading a dataset or sampling the target. Functions named
-    in `skip_names` are never drawn (held-out tasks: `evaluation/heldout.py`).
+    in `skip_names` are never drawn (held-out tasks: `evaluation/heldout.py`). Functions in `exclude_names` are
+    dropped from the draw after it is made, so the others keep their order: a regeneration that excludes a held-out
+    benchmark's functions grows with the same first prompts as one that did not need to.
 
     `stubs=True` poses the same functions (the same draw) as stubs to complete: the signature and docstring with no
     body, the form of HumanEval's prompts, whose answers (the target repeats the signature, then writes the body)
@@ -352,6 +356,8 @@ def python_code_prompts(num_prompts: int, seed: int = 0, skip_names: Iterable[st
                 functions.append((name, args, doc, docstring))
     rng = random.Random(seed)
     rng.shuffle(functions)
+    exclude_names = set(exclude_names)
+    functions = [function for function in functions if function[0] not in exclude_names]
     if len(functions) < num_prompts:
         logger.warning("python-code: %d documented functions found (%d asked for)", len(functions), num_prompts)
     if stubs:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.cli import parse_arguments
-from trainer.data import load_prompts, python_code_prompts, regenerate, synthesize_prompts, write_atomic
+from trainer.data import load_prompts, python_code_names, python_code_prompts, regenerate, synthesize_prompts, write_atomic
 from trainer.targets import EMBEDDED_TARGET, TargetArguments, load_target
 
 
@@ -39,6 +39,13 @@ class RegenerationArguments:
     prompt_column: str | None = field(default=None, metadata={"help": "Prompt or chat-messages column (default: auto)."})
     num_prompts: list[int] | None = field(
         default=None, metadata={"help": "One per source: its first N prompts (magpie, python-code, python-stub: how many to make)."}
+    )
+    exclude_prompts: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Prompt files or datasets (a held-out benchmark's): python-code and python-stub never draw the "
+            "functions their prompts name."
+        },
     )
     magpie_max_new_tokens: int = field(default=128, metadata={"help": "Length cap of a synthesised user turn."})
     shard_size: int = field(default=256)
@@ -77,7 +84,10 @@ def source_prompts(target, tokenizer, args: RegenerationArguments, source: str, 
     if source == "magpie":
         return magpie_prompts(target, tokenizer, args, num_prompts)
     if source in ("python-code", "python-stub"):
-        return python_code_prompts(num_prompts, seed=args.generation_seed, stubs=source == "python-stub")
+        excluded = python_code_names(p for path in args.exclude_prompts or () for p in load_prompts(path))
+        return python_code_prompts(
+            num_prompts, seed=args.generation_seed, stubs=source == "python-stub", exclude_names=excluded
+        )
     return load_prompts(source, split=args.prompt_split, column=args.prompt_column, limit=num_prompts)
 
 
