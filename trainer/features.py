@@ -38,7 +38,7 @@ from modeling_carryover.modeling_carryover import hidden_state_request, layer_ou
 from trainer.build import FEATURE_INDEX, load_training_rows
 from trainer.cli import parse_arguments
 from trainer.data import _version, check_resumable, write_atomic
-from trainer.targets import TargetArguments, load_target
+from trainer.targets import TargetArguments, default_device, load_target
 from trainer.verification import target_pass
 
 logger = logging.getLogger(__name__)
@@ -286,9 +286,12 @@ class TargetFeatures:
 
 def main(argv=None):
     target_args, args = parse_arguments((TargetArguments, FeatureArguments), argv)
-    device = "cuda" if torch.cuda.is_available() else None
     target, _ = load_target(
-        target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype, device=device, tokenizer=False
+        target_args.target,
+        adapter=target_args.target_adapter,
+        dtype=target_args.torch_dtype,
+        device=default_device(),
+        tokenizer=False,
     )
     num_layers = target.config.get_text_config(decoder=True).num_hidden_layers
     layer_ids = args.target_layer_ids or default_target_layer_ids(num_layers, args.num_draft_layers)

@@ -6,7 +6,8 @@
 
 `--prompts` is a JSONL/Parquet/CSV file, a `save_to_disk` folder, a Hub dataset id, `magpie` (prompts sampled
 from the target, kept in the data folder), `python-code` (coding tasks from the standard library's documented
-functions) or `python-stub` (the same functions as stubs to complete, HumanEval's form of a coding prompt). Several
+functions, or with `--code_packages` those of installed packages) or `python-stub` (the same functions as stubs to
+complete, HumanEval's form of a coding prompt). The target runs on the GPU when there is one. Several
 sources mix, one `--num_prompts` each, shuffled together so every shard holds all of them:
 
     python -m trainer.regenerate --data_dir data/smollm2-mix --prompts python-code magpie --num_prompts 2500 1500
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from trainer.cli import parse_arguments
 from trainer.data import load_prompts, python_code_names, python_code_prompts, regenerate, synthesize_prompts, write_atomic
-from trainer.targets import EMBEDDED_TARGET, TargetArguments, load_target
+from trainer.targets import EMBEDDED_TARGET, TargetArguments, default_device, load_target
 
 
 @dataclass
@@ -45,6 +46,13 @@ class RegenerationArguments:
         metadata={
             "help": "Prompt files or datasets (a held-out benchmark's): python-code and python-stub never draw the "
             "functions their prompts name."
+        },
+    )
+    code_packages: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "python-code and python-stub draw from these installed packages' documented functions (e.g. "
+            "numpy sympy networkx) instead of the standard library's."
         },
     )
     magpie_max_new_tokens: int = field(default=128, metadata={"help": "Length cap of a synthesised user turn."})
@@ -86,7 +94,11 @@ def source_prompts(target, tokenizer, args: RegenerationArguments, source: str, 
     if source in ("python-code", "python-stub"):
         excluded = python_code_names(p for path in args.exclude_prompts or () for p in load_prompts(path))
         return python_code_prompts(
-            num_prompts, seed=args.generation_seed, stubs=source == "python-stub", exclude_names=excluded
+            num_prompts,
+            seed=args.generation_seed,
+            stubs=source == "python-stub",
+            exclude_names=excluded,
+            packages=args.code_packages or (),
         )
     return load_prompts(source, split=args.prompt_split, column=args.prompt_column, limit=num_prompts)
 
@@ -128,7 +140,9 @@ def main(argv=None):
     target_args, args = parse_arguments((TargetArguments, RegenerationArguments), argv)
     if not args.prompts:
         raise SystemExit("--prompts is required: a file, a save_to_disk folder, a Hub dataset id, 'magpie', 'python-code' or 'python-stub'")
-    target, tokenizer = load_target(target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype)
+    target, tokenizer = load_target(
+        target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype, device=default_device()
+    )
     data = regenerate_from_args(target, tokenizer, args, target_args.target)
     response_tokens = sum(sum(mask) for mask in data["loss_mask"])
     print(f"{len(data)} responses ({sum(data['finished'])} ended their turn), {response_tokens} response tokens -> {args.data_dir}")

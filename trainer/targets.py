@@ -78,6 +78,11 @@ def resolve_target_path(name_or_path: str | None) -> str:
     return name_or_path
 
 
+def default_device() -> str | None:
+    """Where a data step (regeneration, feature extraction) runs the target: the GPU when there is one."""
+    return "cuda" if torch.cuda.is_available() else None
+
+
 def load_target(name_or_path: str | None = None, adapter: str | None = None, dtype=torch.float32, device=None, tokenizer=True):
     """Load the target (frozen, eval mode) and its tokenizer (None if `tokenizer=False`). `adapter`: a PEFT adapter
     merged on top, for drafting for a fine-tuned target."""
