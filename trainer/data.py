@@ -337,13 +337,12 @@ def _code_files(packages: Iterable[str] = ()) -> list:
     if not packages:
         root = Path(sysconfig.get_path("stdlib"))
         return [p for p in sorted(root.rglob("*.py")) if not _STDLIB_SKIP.intersection(p.relative_to(root).parts)]
-    files = []
+    skip, files = _STDLIB_SKIP | {"testing", "_vendor", "vendored"}, []
     for package in packages:
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
             raise ValueError(f"--code_packages: {package!r} is not an installed package (a folder of Python files)")
         root = Path(next(iter(spec.submodule_search_locations)))
-        skip = _STDLIB_SKIP | {"testing", "_vendor", "vendored"}
         files += [p for p in sorted(root.rglob("*.py")) if not skip.intersection(p.relative_to(root).parts)]
     return files
 
@@ -360,11 +359,11 @@ def python_code_prompts(
     the installed `packages`, in the order given: many more functions than the standard library's 3,000).
 
     Each task names a function, its signature and the first paragraph of its docstring, in one of a few phrasings; a
-    name is used once. Which functions are drawn depends only on `seed` and the Python (or package) versions. They give the
-    drafter a good share of code to learn from without downloading a dataset or sampling the target. Functions named
-    in `skip_names` are never drawn (held-out tasks: `evaluation/heldout.py`). Functions in `exclude_names` are
-    dropped from the draw after it is made, so the others keep their order: a regeneration that excludes a held-out
-    benchmark's functions grows with the same first prompts as one that did not need to.
+    name is used once. Which functions are drawn depends only on `seed` and the Python (or the packages') versions.
+    They give the drafter a good share of code to learn from without downloading a dataset or sampling the target.
+    Functions named in `skip_names` are never drawn (held-out tasks: `evaluation/heldout.py`). Functions in
+    `exclude_names` are dropped from the draw after it is made, so the others keep their order: a regeneration that
+    excludes a held-out benchmark's functions grows with the same first prompts as one that did not need to.
 
     `stubs=True` poses the same functions (the same draw) as stubs to complete: the signature and docstring with no
     body, the form of HumanEval's prompts, whose answers (the target repeats the signature, then writes the body)

@@ -36,7 +36,7 @@ from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer
 from trainer.cli import parse_arguments
 from trainer.features import TargetFeatures
 from trainer.regenerate import RegenerationArguments, regenerate_from_args
-from trainer.targets import TargetArguments, load_target
+from trainer.targets import TargetArguments, default_device, load_target
 
 
 @dataclass
@@ -77,7 +77,11 @@ def main(argv=None):
         raise ValueError("--attn_implementation flex_attention needs a GPU (PyTorch's FlexAttention has no CPU backward).")
     regenerating = not data_args.dataset
     target, tokenizer = load_target(
-        target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype, tokenizer=regenerating
+        target_args.target,
+        adapter=target_args.target_adapter,
+        dtype=target_args.torch_dtype,
+        device=default_device() if regenerating else None,  # the Trainer places it for training
+        tokenizer=regenerating,
     )
 
     if regenerating:

@@ -8,11 +8,13 @@
 #   MAGPIE=N         Magpie prompts synthesised by the target and mixed in (default 4000; 0: none)
 #   REGEN_S=N        stop regenerating after N seconds: the finished shards are kept and trained on (0: no limit)
 #   MAX_STEPS=N      training steps (default 2000)
+#   CONTINUE_STEPS=N then its carryover and control continuations, N steps each (default 0: none)
 #   GEN_BATCH=N      regeneration batch (default 512)
 #   TARGET=path      the target (default: the embedded SmolLM2; a random one of its shape is a dry run)
 #   DATA, OUT_DIR    the regenerated responses and the drafter (default data/smollm2-gpu, runs/smollm2-dflash/gpu)
 # Arguments are more trainer/run.py flags (e.g. `--use_cpu true` for a dry run without a GPU). Every stage resumes:
-# regeneration keeps its finished shards, training its last checkpoint.
+# regeneration keeps its finished shards, training its last checkpoint; a finished drafter is not trained again (give
+# a new OUT_DIR to train on a grown regeneration).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -21,6 +23,7 @@ PROMPTS=${PROMPTS:-$SHIPPED/data-gpu/code-prompts.jsonl.gz}
 MAGPIE=${MAGPIE:-4000}
 REGEN_S=${REGEN_S:-0}
 MAX_STEPS=${MAX_STEPS:-2000}
+CONTINUE_STEPS=${CONTINUE_STEPS:-0}
 GEN_BATCH=${GEN_BATCH:-512}
 TARGET=${TARGET:-smollm2}
 DATA=${DATA:-data/smollm2-gpu}
@@ -40,14 +43,27 @@ limit=()
   --magpie_max_new_tokens 64 --max_new_tokens 256 --generation_batch_size "$GEN_BATCH" --shard_size 1024 \
   --target_dtype bfloat16 || { status=$?; [ "$status" -eq 124 ] || exit "$status"; }
 shards=$(ls "$DATA"/shard-*.parquet | wc -l)
-echo "regenerated: $shards shards of 1024 responses in $DATA ($SECONDS s)"
+echo "regenerated: $shards shards in $DATA ($SECONDS s)"
 
 # 2. The finished shards as one rows file (a regeneration cut short is not a complete folder), then the drafter on
 # them and the shipped responses (3,000 mix + 2,000 stubs).
 rows=$DATA/rows-$shards.parquet
 [ -f "$rows" ] || python -c "from trainer.data import load_regenerated; import sys; load_regenerated(sys.argv[1], int(sys.argv[2])).to_parquet(sys.argv[3])" "$DATA" "$shards" "$rows"
-resume=()
-ls -d "$OUT_DIR"/checkpoint-* >/dev/null 2>&1 && resume=(--resume_from_checkpoint latest)
-python trainer/run.py trainer/configs/smollm2_dflash_gpu.yaml --target "$TARGET" \
-  --dataset "$rows" "$SHIPPED/data" "$SHIPPED/data-stub" --max_steps "$MAX_STEPS" --output_dir "$OUT_DIR" "${resume[@]}" "$@"
-echo "trained: $OUT_DIR ($SECONDS s)"
+train() {  # output_dir, extra flags...; skipped when done, resumed from the last checkpoint when interrupted
+  local out=$1; shift
+  [ -f "$out/model.safetensors" ] && return 0
+  local resume=()
+  ls -d "$out"/checkpoint-* >/dev/null 2>&1 && resume=(--resume_from_checkpoint latest)
+  python trainer/run.py trainer/configs/smollm2_dflash_gpu.yaml --target "$TARGET" \
+    --dataset "$rows" "$SHIPPED/data" "$SHIPPED/data-stub" --output_dir "$out" "${resume[@]}" "$@"
+  echo "trained: $out ($SECONDS s)"
+}
+train "$OUT_DIR" --max_steps "$MAX_STEPS" "$@"
+
+# 3. Its two continuations of equal length from the same weights and data order: with carryover (the two-pass
+# draft-verify-draft objective) and without (the control).
+if [ "$CONTINUE_STEPS" -gt 0 ]; then
+  continuation=(--drafter_checkpoint "$OUT_DIR" --max_steps "$CONTINUE_STEPS" --warmup_steps 0 --learning_rate 3e-4)
+  train "$OUT_DIR-carryover" "${continuation[@]}" --carryover true "$@"
+  train "$OUT_DIR-control" "${continuation[@]}" "$@"
+fi
