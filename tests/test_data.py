@@ -330,6 +330,13 @@ def test_interrupted_regeneration_resumes_to_the_uninterrupted_rows(taught_targe
             load_regenerated(out, num_shards=3)
         with pytest.raises(ValueError, match="has 4 shards; cannot load the first 5"):
             load_regenerated(out, num_shards=5)
+        # ... beside other data, with a shard count per dataset (0: all of it), as run.py's --dataset_shards 2 0
+        from trainer.build import load_training_rows
+
+        mix = load_training_rows([out, tmp_path / "reference"], [2, 0])
+        assert list(mix["input_ids"]) == list(first_two["input_ids"]) + list(reference["input_ids"])
+        with pytest.raises(ValueError, match="2 of 4 shards are missing"):
+            load_training_rows([out, tmp_path / "reference"], [0, 0])
         calls.clear()
         resumed = regenerate(taught_target, TOK, prompts, out, **settings)
         assert len(calls) == 2  # only shards 2 and 3 were generated: finished shards are never redone

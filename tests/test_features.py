@@ -196,8 +196,10 @@ def test_cli_extracts_features_and_run_trains_from_them(setup, tmp_path):
     datasets = [str(tmp_path / "data"), str(tmp_path / "more")]
     mixed = load_training_rows(datasets)
     assert mixed.column_names == rows.column_names and mixed["input_ids"] == rows["input_ids"]  # shared columns only
-    with pytest.raises(ValueError, match="first shards of one regenerated folder, not of 2 datasets"):
+    with pytest.raises(ValueError, match="1 shard counts for 2 datasets: give one count per dataset"):
         load_training_rows(datasets, num_shards=1)
+    with pytest.raises(ValueError, match="more is not a regenerated folder: it has no shards"):
+        load_training_rows(datasets, num_shards=[0, 1])
     result = subprocess.run(
         [sys.executable, "-m", "trainer.features", "--dataset", *datasets, "--output_dir",
          str(tmp_path / "features"), "--target", str(tmp_path / "target"), "--num_draft_layers", "2",

@@ -56,8 +56,8 @@ class FeatureArguments:
         metadata={"help": "Training rows: a regenerated folder, or input_ids rows; several: their rows in order (as run.py)."}
     )
     output_dir: str = field(metadata={"help": "Where the features go (resumable: run again to finish)."})
-    dataset_shards: int | None = field(
-        default=None, metadata={"help": "Only the first N shards of a regenerated --dataset (as run.py's --dataset_shards)."}
+    dataset_shards: list[int] | None = field(
+        default=None, metadata={"help": "The first N shards of a regenerated --dataset, one count per dataset (as run.py)."}
     )
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "0-based target layers to store [DFlash's rule for --num_draft_layers]."}

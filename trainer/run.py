@@ -48,8 +48,12 @@ class DataArguments:
             "Parquet); several: their rows in order."
         },
     )
-    dataset_shards: int | None = field(
-        default=None, metadata={"help": "Only the first N shards of a regenerated --dataset (its regeneration may go on)."}
+    dataset_shards: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "Only the first N shards of a regenerated --dataset (its regeneration may go on); several "
+            "datasets: one count each, 0 for all of it."
+        },
     )
     max_seq_length: int = field(default=2048, metadata={"help": "Rows are cut to this many tokens."})
     eval_rows: int = field(default=0, metadata={"help": "Hold out this many rows for evaluation (eval_loss)."})

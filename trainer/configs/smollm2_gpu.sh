@@ -45,17 +45,16 @@ limit=()
 shards=$(ls "$DATA"/shard-*.parquet | wc -l)
 echo "regenerated: $shards shards in $DATA ($SECONDS s)"
 
-# 2. The finished shards as one rows file (a regeneration cut short is not a complete folder), then the drafter on
-# them and the shipped responses (3,000 mix + 2,000 stubs).
-rows=$DATA/rows-$shards.parquet
-[ -f "$rows" ] || python -c "from trainer.data import load_regenerated; import sys; load_regenerated(sys.argv[1], int(sys.argv[2])).to_parquet(sys.argv[3])" "$DATA" "$shards" "$rows"
+# 2. The drafter on the finished shards (a regeneration cut short is not a complete folder) and the shipped responses
+# (3,000 mix + 2,000 stubs).
 train() {  # output_dir, extra flags...; skipped when done, resumed from the last checkpoint when interrupted
   local out=$1; shift
   [ -f "$out/model.safetensors" ] && return 0
   local resume=()
   ls -d "$out"/checkpoint-* >/dev/null 2>&1 && resume=(--resume_from_checkpoint latest)
   python trainer/run.py trainer/configs/smollm2_dflash_gpu.yaml --target "$TARGET" \
-    --dataset "$rows" "$SHIPPED/data" "$SHIPPED/data-stub" --output_dir "$out" "${resume[@]}" "$@"
+    --dataset "$DATA" "$SHIPPED/data" "$SHIPPED/data-stub" --dataset_shards "$shards" 0 0 --output_dir "$out" \
+    "${resume[@]}" "$@"
   echo "trained: $out ($SECONDS s)"
 }
 train "$OUT_DIR" --max_steps "$MAX_STEPS" "$@"
