@@ -600,6 +600,26 @@ def test_more_layers_grow_from_a_trained_checkpoint(tmp_path):
         build_drafter(target, DrafterArguments(drafter_checkpoint=str(tmp_path / "grown"), num_draft_layers=num_layers))
 
 
+def test_a_checkpoint_continues_on_larger_blocks(tmp_path):
+    """`--drafter_checkpoint <drafter> --block_size <more>`: the same weights (no weight depends on the block size),
+    rounds of block_size - 1 drafts and as many carried rows; carryover training runs on the larger blocks and
+    decoding stays lossless."""
+    from trainer.build import DrafterArguments, build_drafter
+
+    target, trained, dataset = trained_drafter("llama", 4, 0)
+    trained.save_pretrained(tmp_path / "block4")
+    drafter = build_drafter(target, DrafterArguments(drafter_checkpoint=str(tmp_path / "block4"), block_size=7))
+    assert drafter.config.block_size == 7 and trained.config.block_size == 4
+    state = trained.state_dict()
+    assert drafter.state_dict().keys() == state.keys()
+    assert all(torch.equal(weight, state[name]) for name, weight in drafter.state_dict().items())
+    train_drafter(target, drafter, dataset, carryover=True, epochs=1)
+    rounds = lossless_rounds(target, drafter, dataset, num_prompts=3, max_new_tokens=40)
+    assert max(len(r.drafts) for r in rounds) == 6 and max(r.carried for r in rounds) > 3  # beyond the old 3 slots
+    with pytest.raises(ValueError, match="block_size must be >= 2"):
+        build_drafter(target, DrafterArguments(drafter_checkpoint=str(tmp_path / "block4"), block_size=1))
+
+
 def test_init_from_target_starts_lower():
     from trainer.build import DrafterArguments, build_drafter
     from trainer.objectives import training_step_loss

@@ -37,7 +37,8 @@ class DrafterArguments:
     continue from. A checkpoint's architecture stays, with three exceptions that start exactly as the checkpoint:
     `carryover_interface` (the ablation interfaces), `markov_rank` on a checkpoint without a Markov head (the
     Markov variant warm-started from a DFlash drafter) and a larger `num_draft_layers` (a deeper drafter grown from
-    a trained one)."""
+    a trained one); and `block_size`, which no weight depends on (a drafter trained on 8-token blocks continued on
+    16-token ones: its first slots start from what they learned, the new ones from the same MASK embedding)."""
 
     drafter_checkpoint: str | None = field(
         default=None,
@@ -124,6 +125,9 @@ def load_or_create_drafter(target, args: DrafterArguments, rows: Dataset | None 
     drafter = CarryoverDrafterModel.from_pretrained(args.drafter_checkpoint, dtype=torch.float32)
     drafter.check_target(target.config)
     changed = {k: v for k, v in args.overrides().items() if getattr(drafter.config, k) != v}
+    if "block_size" in changed:  # every slot reads the same MASK embedding at its own position: no weight changes
+        drafter.config.block_size = changed.pop("block_size")
+        drafter.config.check_values()
     extension = {k: changed.pop(k) for k in ("carryover_interface", "markov_rank", "num_hidden_layers") if k in changed}
     if extension.get("markov_rank") is not None and drafter.config.markov_rank:
         changed["markov_rank"] = extension.pop("markov_rank")  # a trained Markov head is not resized
@@ -133,7 +137,7 @@ def load_or_create_drafter(target, args: DrafterArguments, rows: Dataset | None 
         raise ValueError(
             f"{args.drafter_checkpoint} has {', '.join(f'{k}={getattr(drafter.config, k)!r}' for k in changed)}; "
             f"the arguments ask for {changed}. A checkpoint's architecture cannot change (only carryover_interface, "
-            "markov_rank on a drafter without a Markov head, and more layers)."
+            "markov_rank on a drafter without a Markov head, more layers, and block_size)."
         )
     return extend_drafter(drafter, **extension) if extension else drafter
 
