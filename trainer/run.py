@@ -36,7 +36,7 @@ from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer
 from trainer.cli import parse_arguments
 from trainer.features import TargetFeatures
 from trainer.regenerate import RegenerationArguments, regenerate_from_args
-from trainer.targets import TargetArguments, default_device, load_target
+from trainer.targets import TargetArguments, default_device, load_target, warn_if_cpu_bf16_is_slow
 
 
 @dataclass
@@ -79,6 +79,8 @@ def main(argv=None):
         raise SystemExit("--features belong to the rows of --dataset: regenerate first, then extract them.")
     if drafter_args.attn_implementation == "flex_attention" and training_args.device.type == "cpu":
         raise ValueError("--attn_implementation flex_attention needs a GPU (PyTorch's FlexAttention has no CPU backward).")
+    if training_args.bf16 and training_args.device.type == "cpu":
+        warn_if_cpu_bf16_is_slow("The drafter's training step (--bf16 true)", "--bf16 false")
     regenerating = not data_args.dataset
     target, tokenizer = load_target(
         target_args.target,

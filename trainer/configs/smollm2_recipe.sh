@@ -21,6 +21,15 @@ MIXSTUB_FEATURES=data/smollm2-mixstub-features
 OUT=runs/smollm2-$VARIANT
 [ -f "$RECIPE" ] || { echo "VARIANT must be dflash or markov (no $RECIPE)" >&2; exit 2; }
 
+# bf16 where this CPU computes it natively (AVX-512, AMX: there bf16 autocast is 1.6x the float32 step), float32
+# where it is emulated (AVX2 only, e.g. AMD EPYC Milan: the target's bf16 forward 7x slower than float32). The
+# regeneration stays bf16 whatever the CPU: its dtype is part of the data (and of the shipped shards' manifest).
+if python -c "import sys; from trainer.targets import cpu_bf16_is_emulated; sys.exit(cpu_bf16_is_emulated())"; then
+  DTYPE=bfloat16 BF16=true
+else
+  DTYPE=float32 BF16=false
+fi
+
 # 1. Data: the shipped responses if the checkout has them (nobody regenerates them twice), else regenerate.
 shipped_data() {  # folder in the checkout, data folder
   if [ ! -f "$2/regeneration.json" ] && [ -f "$1/regeneration.json" ]; then
@@ -40,7 +49,7 @@ python -m trainer.regenerate --data_dir "$STUBS" --prompts python-stub --num_pro
 features() {  # output_dir, dataset folders...
   local out=$1; shift
   python -m trainer.features --dataset "$@" --output_dir "$out" --target_layer_ids 1 8 15 22 27 \
-    --final_hidden true --max_seq_length 512 --batch_size 8 --target_dtype bfloat16 --threads "$THREADS"
+    --final_hidden true --max_seq_length 512 --batch_size 8 --target_dtype "$DTYPE" --threads "$THREADS"
 }
 [ "$VARIANT" = dflash ] && features "$FEATURES" "$DATA"  # the DFlash stages before 3d read the mix alone
 features "$MIXSTUB_FEATURES" "$DATA" "$STUBS"
@@ -50,7 +59,8 @@ train() {  # output_dir, extra flags...; resumes from the last checkpoint of an 
   [ -f "$out/model.safetensors" ] && return 0
   local resume=()
   ls -d "$out"/checkpoint-* >/dev/null 2>&1 && resume=(--resume_from_checkpoint latest)
-  python trainer/run.py "$RECIPE" --output_dir "$out" --threads "$THREADS" "${resume[@]}" "$@"
+  python trainer/run.py "$RECIPE" --output_dir "$out" --threads "$THREADS" --target_dtype "$DTYPE" --bf16 "$BF16" \
+    "${resume[@]}" "$@"
 }
 mix=(--dataset "$DATA" --features "$FEATURES")
 mixstub=(--dataset "$DATA" "$STUBS" --features "$MIXSTUB_FEATURES")
