@@ -128,7 +128,6 @@ def test_onednn_linears_keep_the_weights_outputs_and_lossless_decoding():
         use_linear_backend(make_target().to(torch.bfloat16), "onednn")
 
 
-
 @pytest.mark.parametrize("emulated", [True, False])
 def test_a_bf16_target_on_a_cpu_without_native_bf16_is_warned_about(tmp_path, monkeypatch, caplog, emulated):
     """On an AVX2-only CPU oneDNN emulates bf16 (the embedded target's forward: 85 s against 12 s in float32): loading

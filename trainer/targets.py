@@ -102,7 +102,7 @@ def warn_if_cpu_bf16_is_slow(what: str, fix: str) -> None:
 def load_target(name_or_path: str | None = None, adapter: str | None = None, dtype=torch.float32, device=None, tokenizer=True):
     """Load the target (frozen, eval mode) and its tokenizer (None if `tokenizer=False`). `adapter`: a PEFT adapter
     merged on top, for drafting for a fine-tuned target."""
-    if dtype == torch.bfloat16 and device in (None, "cpu"):
+    if dtype == torch.bfloat16 and (device is None or torch.device(device).type == "cpu"):
         warn_if_cpu_bf16_is_slow("The target", "--target_dtype float32")
     path = resolve_target_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path) if tokenizer else None
