@@ -1,6 +1,7 @@
 """Training: the mask, labels and losses on hand-computed examples, train/serve parity with `generate`, learning,
 E_carry, resume, and bad input. Real tiny transformers targets, the real Trainer."""
 
+import json
 import math
 
 import pytest
@@ -535,6 +536,50 @@ def test_first_pass_loss_weight_adds_the_baseline_loss_at_the_same_anchors(marko
             train_drafter(target, drafter, dataset, epochs=1, **bad)
 
 
+def test_carry_rows_false_trains_the_shifted_anchors_without_rows():
+    """carry_rows=False (the ablation of carryover's rows): the same draft-verify shift of the anchors, then the
+    baseline objective at a' = a + m + 1 with no carried rows; E_carry is not trained, the checkpoint decodes without
+    rows, and the flag needs --carryover."""
+    import copy
+
+    from trainer.objectives import training_step_loss
+
+    target, cached, dataset = trained_drafter("llama", 4, 0)
+    drafter = copy.deepcopy(cached)
+    inputs = pad_collator([dataset[3]])
+    settings = LossSettings(gamma=4.0)
+
+    def step_loss(carry_rows):
+        torch.manual_seed(0)  # the same anchors in every call
+        with torch.no_grad():
+            return training_step_loss(drafter, target, inputs, 8, settings, carryover=True, carry_rows=carry_rows)
+
+    with_rows, rows_metrics = step_loss(True)
+    without_rows, metrics = step_loss(False)
+    # by hand: the same anchors, the transition, then the baseline loss at the shifted anchors
+    batch, recorded = _batch_of(target, drafter, inputs["input_ids"])
+    batch.loss_mask = inputs["loss_mask"]
+    torch.manual_seed(0)
+    anchors, valid = sample_anchors(batch.loss_mask, 8)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    with torch.no_grad():
+        transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=64)
+        shifted, shifted_valid = transition.shifted_anchor_positions, transition.shifted_anchor_valid
+        hidden = drafter_hidden(drafter, embed, batch, shifted, shifted_valid)
+        expected, _ = block_losses(drafter, lm_head, hidden, *blocks_at(batch, shifted, shifted_valid, 3), settings)
+    torch.testing.assert_close(without_rows, expected)
+    assert metrics["first_draft_accepted"] == rows_metrics["first_draft_accepted"]
+    assert metrics["dropped_rows"] == rows_metrics["carried_rows"] > 0 and "carried_rows" not in metrics
+    assert (with_rows - without_rows).abs() > 1e-4  # the rows the ablation drops do change the loss
+
+    marker = drafter.carry_embedding.clone()
+    trainer = train_drafter(target, drafter, dataset, carryover=True, epochs=1, carry_rows=False)
+    assert torch.equal(drafter.carry_embedding, marker) and not drafter.config.carryover
+    assert any("dropped_rows" in entry for entry in trainer.state.log_history)
+    with pytest.raises(ValueError, match="carry_rows"):
+        train_drafter(target, drafter, dataset, epochs=1, carry_rows=False)
+
+
 @pytest.mark.parametrize("interface", ["projector", "none"])
 def test_carryover_interface_ablations_train_and_decode(interface):
     """Table 3b's markers: switching a trained drafter's interface keeps every shared weight; carryover training then
@@ -693,3 +738,33 @@ def test_draft_verify_draft_reproduces_two_decoding_rounds(markov_rank):
     """Algorithm 2 against Algorithm 1 end to end (`assert_training_transition_reproduces_decoding`)."""
     target, drafter, dataset = trained_drafter("llama", 8, markov_rank)
     assert_training_transition_reproduces_decoding(target, drafter, dataset)
+
+
+def test_training_benchmark_compares_dtypes_side_by_side(tmp_path):
+    """trainer/bench_training.py --target_dtypes float32 bfloat16: every mode in each dtype in one run, and each mode's
+    step time in bf16 against the same mode in float32, from exactly those measurements."""
+    from trainer import bench_training
+
+    make_target("llama").save_pretrained(tmp_path / "target")
+    output = tmp_path / "bench.json"
+    before = torch.get_num_threads()
+    try:
+        report = bench_training.main([
+            "--target", str(tmp_path / "target"), "--num_draft_layers", "1", "--block_size", "4", "--steps", "1",
+            "--batch_size", "1", "--num_anchors", "4", "--synthetic_length", "40", "--modes", "baseline", "carryover",
+            "--target_dtypes", "float32", "bfloat16", "--output", str(output), "--threads", "1",
+        ])
+    finally:
+        torch.set_num_threads(before)
+    assert json.loads(output.read_text()) == json.loads(json.dumps(report))
+    modes = report["modes"]
+    assert sorted(modes) == ["baseline/bfloat16", "baseline/float32", "carryover/bfloat16", "carryover/float32"]
+    seconds = {name: entry["seconds_per_step"] for name, entry in modes.items()}
+    for mode in ("baseline", "carryover"):
+        ratio = report[f"{mode}_seconds_per_step_bfloat16_vs_float32"]
+        assert ratio == pytest.approx(seconds[f"{mode}/bfloat16"] / seconds[f"{mode}/float32"])
+    for dtype in ("float32", "bfloat16"):
+        assert report[f"carryover_step_cost_vs_baseline/{dtype}"] == pytest.approx(
+            seconds[f"carryover/{dtype}"] / seconds[f"baseline/{dtype}"]
+        )
+    assert isinstance(report["cpu_bf16_is_emulated"], bool)

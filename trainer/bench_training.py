@@ -6,6 +6,7 @@ cache (trainer.features, extracted in that mode's process first, not timed) inst
     python trainer/bench_training.py --dataset data/smollm2-magpie --steps 4 --batch_size 2 --num_anchors 64
     python trainer/bench_training.py --steps 4      # synthetic rows of random tokens if no dataset is given
     python trainer/bench_training.py --modes baseline baseline_cached    # cached features against the online target
+    python trainer/bench_training.py --modes baseline --target_dtypes float32 bfloat16   # bf16 against float32
 
 A benchmark, not a test: the numbers are machine- and load-dependent; compare ratios measured in the same run.
 """
@@ -33,7 +34,7 @@ from trainer.carryover_trainer import pad_collator
 from trainer.cli import parse_arguments
 from trainer.features import extract_features
 from trainer.objectives import LossSettings, default_gamma, training_step_loss
-from trainer.targets import load_target
+from trainer.targets import cpu_bf16_is_emulated, load_target
 
 PHASES = ("carryover.target_pass", "carryover.first_draft", "carryover.verify", "carryover.drafter_loss")
 MODES = ("baseline", "baseline_cached", "carryover", "carryover_cached")
@@ -42,7 +43,13 @@ MODES = ("baseline", "baseline_cached", "carryover", "carryover_cached")
 @dataclass
 class BenchArguments:
     target: str | None = field(default=None, metadata={"help": "Default: the embedded SmolLM2-135M-Instruct."})
-    target_dtype: str = field(default="float32", metadata={"help": "bfloat16 also runs the drafter under bf16 autocast."})
+    target_dtypes: list[str] = field(
+        default_factory=lambda: ["float32"],
+        metadata={
+            "help": "The target's dtype; bfloat16 also runs the drafter under bf16 autocast. Several: every mode in "
+            "each, side by side (a CPU that emulates bf16, AVX2 only, runs it several times slower than float32)."
+        },
+    )
     num_draft_layers: int = field(default=2)
     block_size: int = field(default=16)
     dataset: str | None = field(default=None, metadata={"help": "Training rows; default: synthetic random tokens."})
@@ -95,13 +102,13 @@ def synthetic_rows(vocab_size, length, rows=16, prompt=32):
     return Dataset.from_dict({"input_ids": ids.tolist(), "loss_mask": [[0] * prompt + [1] * (length - prompt)] * rows})
 
 
-def run_steps(drafter, target, batches, features, args, carryover, optimizer):
+def run_steps(drafter, target, batches, features, args, carryover, optimizer, dtype):
     """`batches`: lists of rows, collated inside the timing (a features cache is read there, as in training)."""
     settings = LossSettings(gamma=default_gamma(drafter.config.block_size))
     device = next(drafter.parameters()).device
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     backward_seconds, tokens = 0.0, 0
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.target_dtype == "bfloat16")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with PeakMemory(device) as memory, profile(activities=activities, acc_events=True) as profiler, autocast:
         sync()
@@ -131,9 +138,9 @@ def run_steps(drafter, target, batches, features, args, carryover, optimizer):
     }
 
 
-def measure_mode(args, mode: str) -> dict:
+def measure_mode(args, mode: str, dtype: str) -> dict:
     """One mode in its own process, so that its peak memory is not hidden by the other mode's freed allocations."""
-    target, _ = load_target(args.target, tokenizer=False, dtype=getattr(torch, args.target_dtype))
+    target, _ = load_target(args.target, tokenizer=False, dtype=getattr(torch, dtype))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target.to(device)
     rows = load_training_rows(args.dataset) if args.dataset else synthetic_rows(target.config.vocab_size, args.synthetic_length)
@@ -158,40 +165,57 @@ def measure_mode(args, mode: str) -> dict:
         batches = [[rows[(i * args.batch_size + j) % len(rows)] for j in range(args.batch_size)] for i in range(args.steps + 1)]
         carryover = mode.startswith("carryover")
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4)
-        run_steps(drafter, target, batches[:1], features, args, carryover, optimizer)  # warmup
-        result = run_steps(drafter, target, batches[1:], features, args, carryover, optimizer)
+        run_steps(drafter, target, batches[:1], features, args, carryover, optimizer, dtype)  # warmup
+        result = run_steps(drafter, target, batches[1:], features, args, carryover, optimizer, dtype)
     return result | extraction | {"device": str(device)}
+
+
+RATIOS = {  # name: (numerator mode, denominator mode), where both ran in the same dtype
+    "carryover_step_cost_vs_baseline": ("carryover", "baseline"),
+    "cached_baseline_steps_per_second_vs_online": ("baseline", "baseline_cached"),
+    "cached_carryover_steps_per_second_vs_online": ("carryover", "carryover_cached"),
+}
 
 
 def main(argv=None):
     (args,) = parse_arguments(BenchArguments, argv)
-    report = {"settings": asdict(args), "torch_threads": torch.get_num_threads(), "modes": {}}
-    context = multiprocessing.get_context("spawn")
-    for mode in args.modes:
-        with context.Pool(1, initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)) as pool:
-            report["modes"][mode] = pool.apply(measure_mode, (args, mode))
-    seconds = {mode: entry["seconds_per_step"] for mode, entry in report["modes"].items()}
-    ratios = {  # name: (numerator mode, denominator mode), where both ran
-        "carryover_step_cost_vs_baseline": ("carryover", "baseline"),
-        "cached_baseline_steps_per_second_vs_online": ("baseline", "baseline_cached"),
-        "cached_carryover_steps_per_second_vs_online": ("carryover", "carryover_cached"),
+    report = {
+        "settings": asdict(args),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_bf16_is_emulated": cpu_bf16_is_emulated(),
+        "modes": {},
     }
-    for name, (slow, fast) in ratios.items():
-        if slow in seconds and fast in seconds:
-            report[name] = seconds[slow] / seconds[fast]
+
+    def key(mode, dtype):  # a mode's name in the report: with several dtypes, "mode/dtype"
+        return f"{mode}/{dtype}" if len(args.target_dtypes) > 1 else mode
+
+    context = multiprocessing.get_context("spawn")
+    for dtype in args.target_dtypes:
+        for mode in args.modes:
+            with context.Pool(1, initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)) as pool:
+                report["modes"][key(mode, dtype)] = pool.apply(measure_mode, (args, mode, dtype))
+    seconds = {name: entry["seconds_per_step"] for name, entry in report["modes"].items()}
+    for dtype in args.target_dtypes:
+        for name, (slow, fast) in RATIOS.items():
+            if slow in args.modes and fast in args.modes:
+                report[key(name, dtype)] = seconds[key(slow, dtype)] / seconds[key(fast, dtype)]
+    first = args.target_dtypes[0]
+    for dtype in args.target_dtypes[1:]:  # each mode's step in this dtype against the same mode in the first dtype
+        for mode in args.modes:
+            report[f"{mode}_seconds_per_step_{dtype}_vs_{first}"] = seconds[key(mode, dtype)] / seconds[key(mode, first)]
 
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(report, f, indent=2)
-    for mode, entry in report["modes"].items():
+    for name, entry in report["modes"].items():
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in entry["seconds_per_step_by_phase"].items() if v)
         print(
-            f"{mode:<17} {entry['seconds_per_step']:.2f} s/step  {entry['response_tokens_per_second']:.0f} tok/s  "
+            f"{name:<26} {entry['seconds_per_step']:.2f} s/step  {entry['response_tokens_per_second']:.0f} tok/s  "
             f"peak +{entry['peak_memory_mb']:.0f} MB  [{phases}]"
         )
-    for name in ratios:
-        if name in report:
-            print(f"{name} = {report[name]:.2f}")
+    for name, value in report.items():
+        if isinstance(value, float):
+            print(f"{name} = {value:.2f}")
     print(f"-> {args.output}")
     return report
 

@@ -64,6 +64,14 @@ class CarryoverArguments:
             "keeps the shared weights drafting well without carried rows while they learn to use them."
         },
     )
+    carry_rows: bool = field(
+        default=True,
+        metadata={
+            "help": "Carryover: give the second pass the rejected rows. False keeps the draft-verify shift of the "
+            "anchors (a' = a + m + 1) and trains the second pass without carried rows: the ablation that separates "
+            "what the shifted anchors and what the rows do to the drafter. The checkpoint then decodes without rows."
+        },
+    )
     verify_chunk_size: int = field(default=64, metadata={"help": "Anchors per packed target verification forward."})
 
 
@@ -119,6 +127,9 @@ class CarryoverTrainer(Trainer):
             raise ValueError(
                 f"first_pass_loss_weight={weight}: it weighs carryover's first pass; use a value >= 0, with --carryover."
             )
+        if not self.carryover_args.carry_rows and not self.carryover_args.carryover:
+            raise ValueError("carry_rows=False ablates carryover training's rows: it needs --carryover true.")
+        carries_rows = self.carryover_args.carryover and self.carryover_args.carry_rows
         drafter = self.accelerator.unwrap_model(self.model)
         drafter.check_target(target_model.config)
         if self.carryover_args.carryover:
@@ -126,7 +137,7 @@ class CarryoverTrainer(Trainer):
         if target_features is not None:
             self._check_features(target_features, target_model, drafter.config)
         config = drafter.config
-        config.carryover = self.carryover_args.carryover  # the checkpoint decodes the way it was trained by default
+        config.carryover = carries_rows  # the checkpoint decodes the way it was trained by default
         self.loss_settings = LossSettings(
             gamma=self.carryover_args.loss_gamma or default_gamma(config.block_size),
             markov_ce_weight=self.carryover_args.markov_ce_weight,
@@ -134,14 +145,14 @@ class CarryoverTrainer(Trainer):
             confidence_weight=self.carryover_args.confidence_weight,
             first_pass_weight=self.carryover_args.first_pass_loss_weight,
         )
-        # The carryover marker trains only with carryover: the baseline objective gives it no gradient (and DDP
-        # requires every trained parameter to get one).
+        # The carryover marker trains only where rows are carried: otherwise it gets no gradient (and DDP requires
+        # every trained parameter to get one).
         for part in (drafter.carry_embedding, drafter.carry_proj):
             if part is not None:
-                part.requires_grad_(self.carryover_args.carryover)
+                part.requires_grad_(carries_rows)
         target_model.requires_grad_(False).eval()
         self.target_model = self.accelerator.prepare_model(target_model, evaluation_mode=True)
-        self._carry_init_pending = self.carryover_args.carryover and self.carryover_args.carry_embedding_init != "keep"
+        self._carry_init_pending = carries_rows and self.carryover_args.carry_embedding_init != "keep"
         self._step_metrics = defaultdict(list)
 
     def _check_features(self, features: TargetFeatures, target_model, config) -> None:
@@ -165,6 +176,7 @@ class CarryoverTrainer(Trainer):
             self.carryover_args.num_anchors,
             self.loss_settings,
             carryover=self.carryover_args.carryover,
+            carry_rows=self.carryover_args.carry_rows,
             chunk_size=self.carryover_args.verify_chunk_size,
         )
         prefix = "" if model.training else "eval_"

@@ -291,10 +291,13 @@ def training_layer_ids(config) -> list:
     return config.target_layer_ids + ([config.num_target_layers - 1] if config.markov_rank else [])
 
 
-def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: LossSettings, carryover: bool, chunk_size=64):
+def training_step_loss(
+    drafter, target, batch_inputs, num_anchors, settings: LossSettings, carryover: bool, chunk_size=64, carry_rows=True
+):
     """Loss of one batch: baseline (blocks at random anchors) or carryover (draft-verify-draft, the loss of the second
     pass at the shifted anchors with the rejected rows carried, plus `settings.first_pass_weight` x the first pass's
-    baseline loss at the random anchors). Returns (loss, metrics).
+    baseline loss at the random anchors). `carry_rows=False` (an ablation) keeps the shifted anchors and drops the
+    rows: the second pass is then the baseline objective at a' = a + m + 1. Returns (loss, metrics).
 
     The target's layer outputs come from its forward over the batch, or from `batch_inputs["target_hidden_states"]`
     (stored by trainer.features: a tuple with one [S, T, d] entry per target layer): then the baseline runs no target
@@ -334,12 +337,13 @@ def training_step_loss(drafter, target, batch_inputs, num_anchors, settings: Los
         )
         valid = anchor_valid.float()
         metrics["first_draft_accepted"] = (transition.accepted_len * valid).sum() / valid.sum()
-        metrics["carried_rows"] = (transition.carried[2] & anchor_valid[..., None]).sum() / valid.sum()
+        rejected_rows = (transition.carried[2] & anchor_valid[..., None]).sum() / valid.sum()
+        metrics["carried_rows" if carry_rows else "dropped_rows"] = rejected_rows
         metrics["record_disagreement"] = ((transition.verified_len != transition.accepted_len).float() * valid).sum() / valid.sum()
         anchor_positions, anchor_valid, carried = (
             transition.shifted_anchor_positions,
             transition.shifted_anchor_valid,
-            transition.carried,
+            transition.carried if carry_rows else None,
         )
     with record_function("carryover.drafter_loss"):  # the baseline pass, or carryover's second pass
         hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid, carried)
