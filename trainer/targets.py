@@ -103,7 +103,8 @@ def load_target(name_or_path: str | None = None, adapter: str | None = None, dty
     """Load the target (frozen, eval mode) and its tokenizer (None if `tokenizer=False`). `adapter`: a PEFT adapter
     merged on top, for drafting for a fine-tuned target."""
     if dtype == torch.bfloat16 and (device is None or torch.device(device).type == "cpu"):
-        warn_if_cpu_bf16_is_slow("The target", "--target_dtype float32")
+        # every command loads its target here, under its own flag name
+        warn_if_cpu_bf16_is_slow("The target", "float32 (--target_dtype float32; --dtype float32 in evaluation)")
     path = resolve_target_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path) if tokenizer else None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
