@@ -640,7 +640,7 @@ def qwen3_layer_config(config: CarryoverDrafterConfig) -> dict:
 def exported_state(drafter: CarryoverDrafterModel, format_name: str, keep_markov: bool) -> dict[str, torch.Tensor]:
     """The drafter's tensors that `format_name` has a place for; warns about what is dropped."""
     state = {key: tensor.detach().contiguous() for key, tensor in drafter.state_dict().items()}
-    carry = [key for key in state if key.startswith(("carry_embedding", "carry_proj"))]
+    carry = [key for key in state if key.startswith(("carry_embedding", "carry_proj", "carry_gate"))]
     markov = [key for key in state if key.startswith(("markov_", "confidence_head"))]
     dropped = []
     if drafter.config.carryover or any(state[key].any() for key in carry):

@@ -20,6 +20,7 @@ ARCHITECTURE_FIELDS = (
     "mask_token_id",
     "carryover",
     "carryover_interface",
+    "carry_gate",
     "markov_rank",
     "target_model_type",
 )

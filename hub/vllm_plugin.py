@@ -48,11 +48,12 @@ def export_vllm(drafter: CarryoverDrafterModel, output_dir: str | Path, carryove
     """Write the z-lab DFlash format with E_carry, for vLLM with this plugin. `carryover`: on for requests by default
     (None: the drafter config's `carryover`)."""
     config = drafter.config
-    if config.carryover_interface != "embedding" or config.markov_rank:
+    if config.carryover_interface != "embedding" or config.markov_rank or config.carry_gate:
         raise ValueError(
             f"The vLLM plugin serves DFlash drafters with the E_carry marker (carryover_interface='embedding', no Markov "
-            f"head); this one has carryover_interface={config.carryover_interface!r}, markov_rank={config.markov_rank}. "
-            "`hub/convert.py --to dflash` exports it without carryover."
+            f"head, no carry gate); this one has carryover_interface={config.carryover_interface!r}, markov_rank="
+            f"{config.markov_rank}, carry_gate={config.carry_gate}. `hub/convert.py --to dflash` exports it without "
+            "carryover."
         )
     with warnings.catch_warnings():  # export_dflash drops E_carry with a warning: it is added back below
         warnings.filterwarnings("ignore", message=".*has no place for the carryover part")

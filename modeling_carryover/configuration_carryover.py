@@ -76,6 +76,11 @@ class CarryoverDrafterConfig(PreTrainedConfig):
             `"embedding"` (the paper's `E_carry`: one learned vector added to the rejected features before `F`),
             `"none"` (no marker), or `"projector"` (a separate, zero-initialised linear map added to `fc` for the
             carried rows; the paper's Table 3b ablation).
+        carry_gate (`bool`): attend to the carried rows through a gate (LLaMA-Adapter's zero-init attention): in
+            every layer the carried rows get a softmax of their own, added to the attention over the other rows
+            scaled by a learned value per head (`carry_gate`, [num_hidden_layers, num_attention_heads]) that starts
+            at zero. A drafter that never saw carried rows then starts carryover training drafting exactly as
+            without them, and opens to them only as far as they help. False: one softmax over all rows (the paper).
         markov_rank (`int`): 0 for a plain DFlash drafter; `r > 0` adds the DSpark-style first-order correction
             `lm_head(h_k) + W2(W1[x_{k-1}])` of rank `r` and its confidence head (trained with DSpark's objective
             and exported with the head; decoding always proposes `block_size - 1` tokens, as in the paper, which
@@ -112,6 +117,7 @@ class CarryoverDrafterConfig(PreTrainedConfig):
     mask_token_id: int = 0
     carryover: bool = False
     carryover_interface: str = "embedding"
+    carry_gate: bool = False
     markov_rank: int = 0
     draft_vocab_size: int | None = None
     target_model_type: str | None = None

@@ -143,15 +143,34 @@ def causal_block_visibility(B: int, J: int, device) -> torch.BoolTensor:
     return slot_of_row[None, :] <= torch.arange(B, device=device)[:, None]
 
 
+def softmax_or_zero(scores):
+    """Softmax over the last axis; a row whose keys are all masked (-inf) gets zeros instead of NaN."""
+    has_key = scores.isfinite().any(-1, keepdim=True)
+    return scores.masked_fill(~has_key, 0.0).softmax(-1) * has_key
+
+
 def block_attention(
-    query, context_keys, context_values, own_keys, own_values, context_mask, own_mask, scaling, causal_block=False
+    query,
+    context_keys,
+    context_values,
+    own_keys,
+    own_values,
+    context_mask,
+    own_mask,
+    scaling,
+    causal_block=False,
+    carry_gate=None,
 ):
     """Attention of N blocks to their shared context rows and to their own rows (carried rows + block), non-causal
-    unless `causal_block` (then block slot k sees its carried rows and block slots 0..k).
+    unless `causal_block` (then block slot k sees its carried rows and block slots 0..k). With `carry_gate` the R =
+    J - B carried rows get a softmax of their own, scaled by the gate of each head and added to the softmax over the
+    other rows (see `CarryoverDrafterConfig.carry_gate`).
 
     query [S, N, H, B, D]; context_keys/values [S, K, T, D] (shared by the N blocks of a sequence);
-    own_keys/values [S, N, K, J, D]; context_mask [S, N, T] and own_mask [S, N, J] (True = visible) or None.
-    Returns the attention output [S, N, B, H*D] and the probabilities [S, N, H, B, T+J].
+    own_keys/values [S, N, K, J, D]; context_mask [S, N, T] and own_mask [S, N, J] (True = visible) or None;
+    carry_gate [H] or None.
+    Returns the attention output [S, N, B, H*D] and the attention weights [S, N, H, B, T+J] (the probabilities;
+    with a gate, those of the other rows plus the gated ones of the carried rows).
     """
     S, N, H, B, D = query.shape
     K, T, J = context_keys.shape[1], context_keys.shape[2], own_keys.shape[3]
@@ -169,7 +188,15 @@ def block_attention(
             own_mask = own_mask & causal_block_visibility(B, J, query.device)  # [S, N, B, J]
         visible = torch.cat([context_mask[:, :, None, :].expand(-1, -1, own_mask.shape[2], -1), own_mask], -1)
         scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
-    probs = scores.softmax(-1).to(query.dtype)
+    if carry_gate is None or J == B:
+        probs = scores.softmax(-1)
+    else:
+        carried = torch.zeros(T + J, dtype=torch.bool, device=query.device)
+        carried[T : T + J - B] = True
+        gate = carry_gate.float().view(K, H // K, 1, 1)
+        probs = scores.masked_fill(carried, float("-inf")).softmax(-1)  # the block always sees itself
+        probs = probs + gate * softmax_or_zero(scores.masked_fill(~carried, float("-inf")))
+    probs = probs.to(query.dtype)
     out = torch.einsum("snkgbt,sktd->snkgbd", probs[..., :T], context_values) + torch.einsum(
         "snkgbj,snkjd->snkgbd", probs[..., T:], own_values
     )
@@ -177,11 +204,13 @@ def block_attention(
     return out, probs.view(S, N, H, B, T + J)
 
 
-def flex_block_mask(context_mask, own_mask, causal_block, S, N, B, T, J, device):
+def flex_block_mask(context_mask, own_mask, causal_block, S, N, B, T, J, device, rows="all"):
     """The FlexAttention BlockMask of the same visibility rule as `block_attention`, over the flattened layout:
     queries are the N blocks' slots `[N*B]`, keys are `[T shared context rows ; N blocks' own rows (N*J)]`, and a
     block's query sees a context row where `context_mask` allows it and its OWN rows only (where `own_mask` allows;
-    with `causal_block`, its block's slots up to its own). context_mask [S, N, T], own_mask [S, N, J] or None."""
+    with `causal_block`, its block's slots up to its own). context_mask [S, N, T], own_mask [S, N, J] or None.
+    `rows`: "all", or for the gated attention's two softmaxes "uncarried" (all but the R = J - B carried rows) and
+    "carried" (those only)."""
     if context_mask is None:
         context_mask = torch.ones(S, N, T, dtype=torch.bool, device=device)
     if own_mask is None:
@@ -194,6 +223,10 @@ def flex_block_mask(context_mask, own_mask, causal_block, S, N, B, T, J, device)
         sees_own = own_mask[s, n, own % J] & (own >= 0) & (own // J == n)
         if causal_block:
             sees_own = sees_own & (own % J - (J - B) <= q % B)
+        if rows == "carried":
+            return sees_own & (own % J < J - B)
+        if rows == "uncarried":
+            sees_own = sees_own & (own % J >= J - B)
         return sees_context | sees_own
 
     return create_block_mask(visible, S, None, N * B, T + N * J, device=device)
@@ -204,10 +237,14 @@ def compiled_flex_attention():
     return torch.compile(flex_attention)  # compiled once per process
 
 
-def flex_block_attention(query, context_keys, context_values, own_keys, own_values, block_mask, scaling):
+def flex_block_attention(
+    query, context_keys, context_values, own_keys, own_values, block_mask, scaling, carry_gate=None, carried_block_mask=None
+):
     """`block_attention` through FlexAttention (no [.., B, T] score tensor is kept for backward): the same inputs,
     flattened to one query sequence of N*B slots per sequence and one key sequence `[T ; N*J]`, with `block_mask`
-    from `flex_block_mask`. Returns the attention output [S, N, B, H*D] (no probabilities)."""
+    from `flex_block_mask`. With `carry_gate` [H], `block_mask` excludes the carried rows and `carried_block_mask` sees
+    only them (FlexAttention gives a query that sees no row zeros). Returns the attention output [S, N, B, H*D] (no
+    probabilities)."""
     # on CPU eager, a slow reference: torch 2.13's CPU kernel template fails to build this mask
     attend = flex_attention if query.device.type == "cpu" else compiled_flex_attention()
     S, N, H, B, D = query.shape
@@ -217,6 +254,9 @@ def flex_block_attention(query, context_keys, context_values, own_keys, own_valu
     keys = torch.cat([context_keys, own_keys.transpose(1, 2).reshape(S, K, N * J, D)], 2).to(dtype)
     values = torch.cat([context_values, own_values.transpose(1, 2).reshape(S, K, N * J, D)], 2).to(dtype)
     out = attend(q, keys, values, block_mask=block_mask, scale=scaling, enable_gqa=H != K)
+    if carry_gate is not None:
+        carried_out = attend(q, keys, values, block_mask=carried_block_mask, scale=scaling, enable_gqa=H != K)
+        out = out + carry_gate.to(out.dtype).view(1, H, 1, 1) * carried_out
     return out.view(S, H, N, B, D).permute(0, 2, 3, 1, 4).reshape(S, N, B, H * D)
 
 
@@ -321,8 +361,8 @@ class CarryoverAttention(nn.Module):
         values = self.v_proj(rows).view(shape).transpose(-3, -2)
         return apply_rotary(keys, *rope), values
 
-    def forward(self, hidden_states, context, carried, ropes, masks, past_key_values):
-        """masks: the `AttentionMasks` of each layer type; this layer reads its own."""
+    def forward(self, hidden_states, context, carried, ropes, masks, past_key_values, carry_gate=None):
+        """masks: the `AttentionMasks` of each layer type; this layer reads its own. carry_gate: this layer's [H]."""
         masks = masks[self.layer_type]
         S, N, B, _ = hidden_states.shape
         query = self.q_norm(self.q_proj(hidden_states).view(S, N, B, self.num_heads, self.head_dim)).transpose(2, 3)
@@ -340,14 +380,19 @@ class CarryoverAttention(nn.Module):
             carried_keys, carried_values = self.keys_values(carried, ropes["carried"])  # [S, N, K, R, D]
             block_keys = torch.cat([carried_keys, block_keys], dim=3)
             block_values = torch.cat([carried_values, block_values], dim=3)
+        else:
+            carry_gate = None  # nothing to gate
 
         if masks.flex is not None:
-            out = flex_block_attention(query, context_keys, context_values, block_keys, block_values, masks.flex, self.scaling)
+            out = flex_block_attention(
+                query, context_keys, context_values, block_keys, block_values, masks.flex, self.scaling, carry_gate,
+                masks.flex_carried,
+            )
             probs = None
         else:
             out, probs = block_attention(
                 query, context_keys, context_values, block_keys, block_values, masks.context, masks.own, self.scaling,
-                masks.causal_block,
+                masks.causal_block, carry_gate,
             )
         return self.o_proj(out), probs
 
@@ -360,8 +405,10 @@ class CarryoverDecoderLayer(nn.Module):
         self.input_layernorm = CarryoverRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = CarryoverRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, context, carried, ropes, masks, past_key_values):
-        attn_out, probs = self.self_attn(self.input_layernorm(hidden_states), context, carried, ropes, masks, past_key_values)
+    def forward(self, hidden_states, context, carried, ropes, masks, past_key_values, carry_gate=None):
+        attn_out, probs = self.self_attn(
+            self.input_layernorm(hidden_states), context, carried, ropes, masks, past_key_values, carry_gate
+        )
         hidden_states = hidden_states + attn_out
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states, probs
@@ -376,6 +423,7 @@ class AttentionMasks:
     own: torch.BoolTensor | None  # [S, N, R + B]
     causal_block: bool = False  # block slot k sees block slots 0..k only (sliding-window layers, by default)
     flex: object | None = None  # BlockMask, when the model runs with attn_implementation="flex_attention"
+    flex_carried: object | None = None  # with a carry gate: the BlockMask of the carried rows (`flex` then excludes them)
 
 
 @dataclass
@@ -383,7 +431,8 @@ class CarryoverDrafterOutput(ModelOutput):
     """
     last_hidden_state (`[S, N, B, d]`): final-normed hidden states of the blocks (apply the target's LM head).
     attentions (`tuple` of `[S, N, H, B, T+R+B]`, *optional*): per-layer attention probabilities over
-        [context rows ; carried rows ; block], when `output_attentions=True`.
+        [context rows ; carried rows ; block], when `output_attentions=True` (with a carry gate, the carried rows'
+        probabilities scaled by the gate).
     """
 
     last_hidden_state: torch.FloatTensor | None = None
@@ -411,6 +460,8 @@ class CarryoverPreTrainedModel(PreTrainedModel):
                 init.zeros_(module.carry_proj.weight)
             if module.markov_proj is not None:  # zero: the Markov drafter starts as plain DFlash
                 init.zeros_(module.markov_proj.weight)
+            if module.carry_gate is not None:  # zero: the carried rows change nothing at the start
+                init.zeros_(module.carry_gate)
 
 
 class CarryoverDrafterModel(CarryoverPreTrainedModel):
@@ -430,6 +481,9 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         # E_carry: the one learned vector that marks rejected rows, added before F (Algorithm 1).
         self.carry_embedding = nn.Parameter(torch.zeros(feature_size)) if config.carryover_interface == "embedding" else None
         self.carry_proj = nn.Linear(feature_size, d, bias=False) if config.carryover_interface == "projector" else None
+        # The gates of the carried rows' attention, one per layer and query head (config.carry_gate).
+        gate_shape = (config.num_hidden_layers, config.num_attention_heads)
+        self.carry_gate = nn.Parameter(torch.zeros(gate_shape)) if config.carry_gate else None
 
         # The draft vocabulary: the target ids of the LM-head rows the drafter scores (EAGLE-3's d2t as ids, sorted);
         # a buffer, so it is saved with the weights. A placeholder until `set_draft_vocab` (training) or loading.
@@ -567,14 +621,17 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         if self.config._attn_implementation == "flex_attention" and not output_attentions:
             T = num_cached + (0 if context is None else context.shape[-2])
             J = B + (0 if carried is None else carried.shape[-2])
+            gated = self.carry_gate is not None and carried is not None
             for type_masks in masks.values():
-                type_masks.flex = flex_block_mask(
-                    type_masks.context, type_masks.own, type_masks.causal_block, S, N, B, T, J, block_embeds.device
-                )
+                visibility = (type_masks.context, type_masks.own, type_masks.causal_block, S, N, B, T, J, block_embeds.device)
+                type_masks.flex = flex_block_mask(*visibility, rows="uncarried" if gated else "all")
+                if gated:
+                    type_masks.flex_carried = flex_block_mask(*visibility, rows="carried")
 
         attentions = ()
-        for layer in self.layers:
-            hidden_states, probs = layer(hidden_states, context, carried, ropes, masks, past_key_values)
+        for i, layer in enumerate(self.layers):
+            carry_gate = None if self.carry_gate is None else self.carry_gate[i]
+            hidden_states, probs = layer(hidden_states, context, carried, ropes, masks, past_key_values, carry_gate)
             if output_attentions:
                 attentions += (probs,)
         return CarryoverDrafterOutput(

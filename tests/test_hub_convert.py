@@ -279,6 +279,17 @@ def markov_drafter(target):
     return drafter
 
 
+def test_exports_drop_the_carry_gate_with_a_warning(target, tmp_path):
+    """No format has a place for the carry gates: an export names them with the rest of the carryover part it drops
+    (it then drafts as the drafter does with carryover off, where the gates act on nothing)."""
+    drafter = make_drafter(target, carry_gate=True, target_layer_ids=TARGET_LAYER_IDS)
+    with torch.no_grad():
+        drafter.carry_gate.normal_()
+    with pytest.warns(UserWarning, match=r"carryover part \(carry_embedding, carry_gate\)"):
+        exported = export_dflash(drafter, tmp_path / "zlab")
+    assert not any(key.startswith("carry") for key in load_file(exported / "model.safetensors"))
+
+
 def test_speculators_round_trip_keeps_markov_head_and_layer_ids(markov_drafter, target, tmp_path):
     with pytest.warns(UserWarning, match=r"speculators format has no place for the carryover part \(carry_embedding\)"):
         exported = export_speculators(markov_drafter, tmp_path / "spec", verifier="Qwen/Qwen3-0.6B")

@@ -79,12 +79,58 @@ def test_block_attention_equals_the_dense_training_mask():
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
 
-def test_flex_attention_equals_the_dense_path():
+def test_gated_block_attention_by_hand():
+    """carry_gate: the carried rows get a softmax of their own, scaled by the gate of each head and added to the
+    softmax over the other rows (checked head by head against plain softmax attention); a block with no valid carried
+    row gets nothing from them (and no NaN, forward or backward); with the gates at zero the attention is exactly the
+    attention without the carried rows."""
+    torch.manual_seed(0)
+    S, N, H, K, B, D, T, R = 1, 2, 4, 2, 3, 8, 5, 2
+    query = torch.randn(S, N, H, B, D, requires_grad=True)
+    ctx_k, ctx_v = torch.randn(S, K, T, D), torch.randn(S, K, T, D)
+    own_k, own_v = torch.randn(S, N, K, R + B, D), torch.randn(S, N, K, R + B, D)
+    context_mask = torch.ones(S, N, T, dtype=torch.bool)
+    context_mask[0, 0, 3:] = False
+    carried_mask = torch.tensor([[[True, False], [False, False]]])  # block 1 carries no valid row
+    own_mask = torch.cat([carried_mask, torch.ones(S, N, B, dtype=torch.bool)], -1)
+    gate = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)
+    out, probs = block_attention(query, ctx_k, ctx_v, own_k, own_v, context_mask, own_mask, D**-0.5, carry_gate=gate)
+
+    def attend(q, keys, values, visible):  # plain softmax attention; nothing visible -> zeros
+        if not visible.any():
+            return torch.zeros_like(q)
+        return ((q @ keys.T) * D**-0.5).masked_fill(~visible, float("-inf")).softmax(-1) @ values
+
+    is_carried = (torch.arange(T + R + B) >= T) & (torch.arange(T + R + B) < T + R)
+    for n in range(N):
+        visible = torch.cat([context_mask[0, n], own_mask[0, n]])
+        for h in range(H):
+            kv = h // (H // K)
+            keys, values = torch.cat([ctx_k[0, kv], own_k[0, n, kv]]), torch.cat([ctx_v[0, kv], own_v[0, n, kv]])
+            q = query[0, n, h].detach()
+            expected = attend(q, keys, values, visible & ~is_carried) + gate[h] * attend(q, keys, values, visible & is_carried)
+            torch.testing.assert_close(out[0, n, :, h * D : (h + 1) * D], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(probs[0, 0, :, :, T : T + R].sum(-1), gate.detach()[:, None].expand(H, B))
+    assert probs[0, 1, :, :, T : T + R].abs().sum() == 0
+    out.square().sum().backward()
+    assert query.grad.isfinite().all() and gate.grad.isfinite().all() and (gate.grad != 0).all()
+
+    shut, _ = block_attention(query, ctx_k, ctx_v, own_k, own_v, context_mask, own_mask, D**-0.5, carry_gate=torch.zeros(H))
+    without_rows, _ = block_attention(query, ctx_k, ctx_v, own_k[:, :, :, R:], own_v[:, :, :, R:], context_mask, None, D**-0.5)
+    torch.testing.assert_close(shut, without_rows, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("carry_gate", [False, True])
+def test_flex_attention_equals_the_dense_path(carry_gate):
     """attn_implementation="flex_attention" (the training path on GPUs) computes what the dense path computes, in the
-    training layout (2 sequences, padding, invalid anchors, padded carried rows, GQA) and through decoding's cache.
-    CPU FlexAttention has no backward, so only the forward is compared here."""
+    training layout (2 sequences, padding, invalid anchors, padded carried rows, GQA) and through decoding's cache,
+    with and without carry gates (two FlexAttention calls: the carried rows and the others). CPU FlexAttention has no
+    backward, so only the forward is compared here."""
     target = make_target("qwen3")
-    drafter = make_drafter(target, block_size=4)
+    drafter = make_drafter(target, block_size=4, carry_gate=carry_gate)
+    if carry_gate:
+        with torch.no_grad():
+            drafter.carry_gate.normal_()
     torch.manual_seed(0)
     S, N, R, T = 2, 3, 3, 14
     sequences = torch.randint(0, target.config.vocab_size, (S, T))
@@ -239,13 +285,14 @@ def test_markov_losses_by_hand():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def lossless_rounds(target, drafter, dataset, num_prompts, max_new_tokens):
+def lossless_rounds(target, drafter, dataset, num_prompts, max_new_tokens, **generate_kwargs):
     """Carryover-decode the first prompts of `dataset`, asserting each output is the target's greedy one; the rounds."""
     rounds = []
     for row in dataset.select(range(num_prompts)):
         prompt = torch.tensor([row["input_ids"][:6]])
         expected = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False)
-        assert torch.equal(mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=max_new_tokens), expected)
+        output = mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=max_new_tokens, **generate_kwargs)
+        assert torch.equal(output, expected)
         rounds += drafter.generation_stats.rounds
     return rounds
 
@@ -598,6 +645,39 @@ def test_carryover_interface_ablations_train_and_decode(interface):
     if interface == "projector":
         assert drafter.carry_proj.weight.abs().sum() > 0  # it started at zero and learned
     assert any(r.carried for r in lossless_rounds(target, drafter, dataset, num_prompts=3, max_new_tokens=40))
+
+
+def test_carry_gate_starts_as_the_checkpoint_then_opens_with_carryover_training(tmp_path):
+    """`--drafter_checkpoint <drafter> --carry_gate true`: every shared weight is kept and the gates start at zero, so
+    with carryover on the drafter proposes round for round what the checkpoint proposes with carryover off, although
+    it reads carried rows; baseline training leaves the gates shut (frozen), carryover training opens them at their
+    own learning rate; decoding stays lossless and the gates are saved and loaded with the weights."""
+    import copy
+
+    from trainer.build import DrafterArguments, build_drafter
+
+    target, trained, dataset = trained_drafter("llama", 4, 0)
+    trained.save_pretrained(tmp_path / "trained")
+    gated = build_drafter(target, DrafterArguments(drafter_checkpoint=str(tmp_path / "trained"), carry_gate=True)).eval()
+    config = trained.config
+    assert gated.carry_gate.shape == (config.num_hidden_layers, config.num_attention_heads)
+    assert gated.carry_gate.abs().max() == 0
+    for name, weight in trained.state_dict().items():
+        assert torch.equal(gated.state_dict()[name], weight), name
+    without_rows = lossless_rounds(target, trained, dataset, num_prompts=3, max_new_tokens=40, carryover=False)
+    with_gated_rows = lossless_rounds(target, gated, dataset, num_prompts=3, max_new_tokens=40, carryover=True)
+    assert any(r.carried for r in with_gated_rows)
+    assert [r.drafts for r in with_gated_rows] == [r.drafts for r in without_rows]
+
+    control = copy.deepcopy(gated)
+    train_drafter(target, control, dataset, carryover=False, epochs=1)
+    assert control.carry_gate.abs().max() == 0
+    trainer = train_drafter(target, gated, dataset, carryover=True, epochs=1, carry_gate_lr=0.05)
+    assert [g["lr"] for g in trainer.optimizer.param_groups if g.get("name") == "carry_gate"] == [0.05]
+    assert gated.carry_gate.abs().min() > 0
+    assert any(r.carried for r in lossless_rounds(target, gated.eval(), dataset, num_prompts=3, max_new_tokens=40))
+    gated.save_pretrained(tmp_path / "gated")
+    assert torch.equal(mc.CarryoverDrafterModel.from_pretrained(tmp_path / "gated").carry_gate, gated.carry_gate)
 
 
 def test_markov_head_warm_starts_from_a_dflash_checkpoint(tmp_path):

@@ -221,7 +221,7 @@ def test_refuses_a_drafter_that_does_not_fit(models, tmp_path):
 
 def test_export_refuses_what_the_plugin_cannot_serve(models, tmp_path):
     target = models["target"]
-    for overrides in ({"carryover_interface": "projector"}, {"markov_rank": 4}):
+    for overrides in ({"carryover_interface": "projector"}, {"markov_rank": 4}, {"carry_gate": True}):
         with pytest.raises(ValueError, match="E_carry marker"):
             export_vllm(make_drafter(target, **overrides), tmp_path / "out")
 

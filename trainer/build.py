@@ -27,6 +27,7 @@ ARCHITECTURE_FIELDS = {
     "intermediate_size": "intermediate_size",
     "markov_rank": "markov_rank",
     "carryover_interface": "carryover_interface",
+    "carry_gate": "carry_gate",
     "draft_vocab_size": "draft_vocab_size",
 }
 
@@ -34,10 +35,10 @@ ARCHITECTURE_FIELDS = {
 @dataclass
 class DrafterArguments:
     """The drafter's architecture (a new drafter; unset fields take the defaults in brackets) or a checkpoint to
-    continue from. A checkpoint's architecture stays, with three exceptions that start exactly as the checkpoint:
-    `carryover_interface` (the ablation interfaces), `markov_rank` on a checkpoint without a Markov head (the
-    Markov variant warm-started from a DFlash drafter) and a larger `num_draft_layers` (a deeper drafter grown from
-    a trained one); and `block_size`, which no weight depends on (a drafter trained on 8-token blocks continued on
+    continue from. A checkpoint's architecture stays, with four exceptions that start exactly as the checkpoint:
+    `carryover_interface` (the ablation interfaces), `carry_gate` (gated carried rows), `markov_rank` on a
+    checkpoint without a Markov head (the Markov variant warm-started from a DFlash drafter) and a larger
+    `num_draft_layers` (a deeper drafter grown from a trained one); and `block_size`, which no weight depends on (a drafter trained on 8-token blocks continued on
     16-token ones: its first slots start from what they learned, the new ones from the same MASK embedding)."""
 
     drafter_checkpoint: str | None = field(
@@ -57,6 +58,13 @@ class DrafterArguments:
     markov_rank: int | None = field(default=None, metadata={"help": "> 0: the DSpark-style Markov head of this rank [0]."})
     carryover_interface: str | None = field(
         default=None, metadata={"help": "How carried rows are marked [embedding].", "choices": ["embedding", "none", "projector"]}
+    )
+    carry_gate: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Attend to the carried rows through zero-initialised per-head gates, so that carryover training "
+            "starts drafting exactly as without the rows [False]."
+        },
     )
     draft_vocab_size: int | None = field(
         default=None,
@@ -128,7 +136,7 @@ def load_or_create_drafter(target, args: DrafterArguments, rows: Dataset | None 
     if "block_size" in changed:  # every slot reads the same MASK embedding at its own position: no weight changes
         drafter.config.block_size = changed.pop("block_size")
         drafter.config.check_values()
-    extension = {k: changed.pop(k) for k in ("carryover_interface", "markov_rank", "num_hidden_layers") if k in changed}
+    extension = {k: changed.pop(k) for k in ("carryover_interface", "carry_gate", "markov_rank", "num_hidden_layers") if k in changed}
     if extension.get("markov_rank") is not None and drafter.config.markov_rank:
         changed["markov_rank"] = extension.pop("markov_rank")  # a trained Markov head is not resized
     if extension.get("num_hidden_layers", drafter.config.num_hidden_layers) < drafter.config.num_hidden_layers:
@@ -137,7 +145,7 @@ def load_or_create_drafter(target, args: DrafterArguments, rows: Dataset | None 
         raise ValueError(
             f"{args.drafter_checkpoint} has {', '.join(f'{k}={getattr(drafter.config, k)!r}' for k in changed)}; "
             f"the arguments ask for {changed}. A checkpoint's architecture cannot change (only carryover_interface, "
-            "markov_rank on a drafter without a Markov head, more layers, and block_size)."
+            "carry_gate, markov_rank on a drafter without a Markov head, more layers, and block_size)."
         )
     return extend_drafter(drafter, **extension) if extension else drafter
 
@@ -171,10 +179,11 @@ def draft_vocab_from_rows(rows: Dataset, size: int, vocab_size: int, always: lis
 
 
 def extend_drafter(drafter: CarryoverDrafterModel, **changes) -> CarryoverDrafterModel:
-    """The same drafter with another carryover marker (Table 3b's ablation: `carryover_interface`), a new Markov
-    head (`markov_rank`, on a drafter without one) or more decoder layers (`num_hidden_layers`). Every shared weight
-    is kept; the new marker, the Markov correction W2 and the new layers' residual outputs start at zero, so the
-    extended drafter drafts exactly as the original; an old marker is dropped."""
+    """The same drafter with another carryover marker (Table 3b's ablation: `carryover_interface`), gated carried
+    rows (`carry_gate`), a new Markov head (`markov_rank`, on a drafter without one) or more decoder layers
+    (`num_hidden_layers`). Every shared weight is kept; the new marker, the gates, the Markov correction W2 and the
+    new layers' residual outputs start at zero, so the extended drafter drafts exactly as the original; an old marker
+    or gate is dropped."""
     config = copy.deepcopy(drafter.config)
     for key, value in changes.items():
         setattr(config, key, value)
@@ -183,7 +192,7 @@ def extend_drafter(drafter: CarryoverDrafterModel, **changes) -> CarryoverDrafte
     extended = CarryoverDrafterModel(config)
     missing, _ = extended.load_state_dict(drafter.state_dict(), strict=False)
     new_layers = tuple(f"layers.{i}." for i in range(num_old, config.num_hidden_layers))
-    new_parts = ("carry_embedding", "carry_proj", "markov_embed", "markov_proj", "confidence_head") + new_layers
+    new_parts = ("carry_embedding", "carry_proj", "carry_gate", "markov_embed", "markov_proj", "confidence_head") + new_layers
     assert all(key.startswith(new_parts) for key in missing), missing
     for layer in extended.layers[num_old:]:
         grow_layer(layer, drafter.layers[-1])

@@ -46,6 +46,14 @@ class CarryoverArguments:
             "of ~1-11 (outliers in the thousands): at the drafter's lr a zero-initialised E_carry barely moves."
         },
     )
+    carry_gate_lr: float | None = field(
+        default=1e-2,
+        metadata={
+            "help": "Learning rate of the carry gates (--carry_gate; None: the drafter's). A gate is one number per "
+            "head that starts at zero: Adam moves it about one learning rate a step, so the drafter's would leave "
+            "it shut."
+        },
+    )
     carry_embedding_init: str = field(
         default="keep",
         metadata={
@@ -147,7 +155,7 @@ class CarryoverTrainer(Trainer):
         )
         # The carryover marker trains only where rows are carried: otherwise it gets no gradient (and DDP requires
         # every trained parameter to get one).
-        for part in (drafter.carry_embedding, drafter.carry_proj):
+        for part in (drafter.carry_embedding, drafter.carry_proj, drafter.carry_gate):
             if part is not None:
                 part.requires_grad_(carries_rows)
         target_model.requires_grad_(False).eval()
@@ -229,19 +237,20 @@ class CarryoverTrainer(Trainer):
     # -- optimisation and saving ---------------------------------------------------------------------------------
 
     def create_optimizer(self, model=None):
-        """The Trainer's optimizer, with E_carry in its own group (own learning rate, no weight decay)."""
+        """The Trainer's optimizer, with E_carry and the carry gates each in a group of its own (own learning rate,
+        no weight decay)."""
         optimizer = super().create_optimizer(model)
         drafter = self.accelerator.unwrap_model(self.model)
-        lr = self.carryover_args.carry_embedding_lr
-        if drafter.carry_embedding is None or lr is None or not drafter.carry_embedding.requires_grad:
-            return optimizer
-        if any(group.get("name") == "carry_embedding" for group in optimizer.param_groups):
-            return optimizer
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if p is not drafter.carry_embedding]
-        optimizer.add_param_group(
-            {"params": [drafter.carry_embedding], "lr": lr, "weight_decay": 0.0, "name": "carry_embedding"}
-        )
+        own_lr = {"carry_embedding": self.carryover_args.carry_embedding_lr, "carry_gate": self.carryover_args.carry_gate_lr}
+        for name, lr in own_lr.items():
+            parameter = getattr(drafter, name)
+            if parameter is None or lr is None or not parameter.requires_grad:
+                continue
+            if any(group.get("name") == name for group in optimizer.param_groups):
+                continue
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if p is not parameter]
+            optimizer.add_param_group({"params": [parameter], "lr": lr, "weight_decay": 0.0, "name": name})
         return optimizer
 
     def save_model(self, output_dir=None, _internal_call=False):
