@@ -168,9 +168,12 @@ def replay(target, drafter, recording: Recording, carried=None, top_k=16, attent
 
 def attention_shares(attentions, num_context, carried_features):
     """Per round, the attention mass on [context ; carried ; block] rows, averaged over layers, heads and the block's
-    query slots. attentions: per layer [1, n, H, B, T+R+B] -> [n, 3]."""
+    query slots. With carry gates a query's weights on the carried rows are its head's gate (of either sign) times
+    their softmax: the mass is then each weight's magnitude over the sum of magnitudes (for plain probabilities, the
+    probabilities). attentions: per layer [1, n, H, B, T+R+B] -> [n, 3]."""
     num_carried = 0 if carried_features is None else carried_features.shape[2]
-    probs = torch.stack(attentions).float().mean(dim=(0, 3, 4))[0]  # [n, T+R+B]
+    weights = torch.stack(attentions).float().abs()  # [layers, 1, n, H, B, T+R+B]
+    probs = (weights / weights.sum(-1, keepdim=True)).mean(dim=(0, 3, 4))[0]  # [n, T+R+B]
     bounds = [0, num_context, num_context + num_carried, probs.shape[-1]]
     return torch.stack([probs[:, lo:hi].sum(-1) for lo, hi in zip(bounds, bounds[1:])], dim=-1)
 

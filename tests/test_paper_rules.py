@@ -357,6 +357,14 @@ def test_attention_shares_on_synthetic_probabilities():
         analyze.attention_shares((no_rows,), num_context=3, carried_features=None), torch.tensor([[1 / 4, 0.0, 3 / 4]])
     )
 
+    # gated carried rows (gate -0.5): keys [context 0 ; carried 1..2 ; block 3]; the query puts 1 on key 0 and -0.5 x
+    # (0.5, 0.5) on the carried rows -> magnitudes 1 and 0.5 of 1.5
+    gated = torch.tensor([1.0, -0.25, -0.25, 0.0]).view(1, 1, 1, 1, 4)
+    torch.testing.assert_close(
+        analyze.attention_shares((gated,), num_context=1, carried_features=torch.zeros(1, 1, 2, 6)),
+        torch.tensor([[2 / 3, 1 / 3, 0.0]]),
+    )
+
 
 def test_attention_replay_puts_no_mass_on_absent_carried_rows():
     """In the ON replay of recorded rounds, a round without carried rows has a carried share of exactly 0 (masked
