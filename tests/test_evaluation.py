@@ -492,3 +492,39 @@ def test_confident_drafts_stay_lossless_and_are_recorded(workspace, tmp_path):
     assert report["provenance"]["settings"]["draft_confidence_threshold"] == 0.2
     with pytest.raises(ValueError, match="differ in draft_confidence_threshold"):
         run.main(argv + ["--resume", "true"])
+
+
+def write_records(folder, prompts):
+    """A records.jsonl.gz as run.py writes it: the identity line, then one record per prompt ({drafter: accepted})."""
+    folder.mkdir()
+    with gzip.open(folder / run.RunRecords.FILE, "wt", encoding="utf-8") as file:
+        file.write(json.dumps({"target": str(folder)}) + "\n")
+        for index, accepted in enumerate(prompts):
+            methods = {"plain": {"tokens": 8}, **{name: {"rounds": {"accepted": a}} for name, a in accepted.items()}}
+            record = {"subset": "code", "temperature": 0.0, "index": index, "prompt": f"hash{index}", "methods": methods}
+            file.write(json.dumps(record) + "\n")
+    return str(folder)
+
+
+def test_compare_pairs_drafters_of_two_runs_by_hand(tmp_path):
+    """evaluation/compare.py: tau and the paired gain over the prompts both drafters have (computed by hand), run.py's
+    bootstrap interval on the same per-prompt counts, and a refusal where a drafter both runs hold decoded a prompt
+    differently."""
+    from evaluation.compare import main as compare
+
+    first = write_records(tmp_path / "a", [{"x": [1, 3], "ref": [0, 1]}, {"x": [2], "ref": [1, 1]}, {"x": [0, 0], "ref": [0]}])
+    second = write_records(tmp_path / "b", [{"y": [0, 0], "ref": [0, 1]}, {"y": [1], "ref": [1, 1]}])
+    x_vs_y, x_vs_ref = compare(["--runs", first, second, "--gains", "x=y", "x=ref"])
+    # prompts 0 and 1: x commits (2 + 4) + 3 = 9 tokens in 3 rounds, y (1 + 1) + 2 = 4 in 3
+    assert x_vs_y["prompts"] == 2 and x_vs_y["tau"] == 3.0 and math.isclose(x_vs_y["reference_tau"], 4 / 3)
+    assert x_vs_y["tau_gain_ci95"] == run.tau_gain_ci([(6, 2), (3, 1)], [(2, 2), (2, 1)])
+    # all 3 prompts: x 9 + 2 = 11 tokens in 5 rounds, ref (1 + 2) + (2 + 2) + 1 = 8 in 5
+    assert x_vs_ref["prompts"] == 3 and math.isclose(x_vs_ref["tau_gain"], 11 / 8 - 1)
+    low, high = x_vs_ref["tau_gain_ci95"]
+    assert low <= x_vs_ref["tau_gain"] <= high
+
+    other = write_records(tmp_path / "c", [{"ref": [0, 2]}])
+    with pytest.raises(SystemExit, match="ref decoded prompt 0 of 'code'"):
+        compare(["--runs", first, other, "--gains", "x=ref"])
+    with pytest.raises(SystemExit, match="not in the runs' records"):
+        compare(["--runs", first, "--gains", "x=z"])

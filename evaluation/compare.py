@@ -1,0 +1,87 @@
+"""Tau gains between drafters that `evaluation/run.py` decoded in different runs on the same prompts.
+
+    python -m evaluation.compare --runs runs/eval-a runs/eval-b --gains gated=shifted carryover=shifted
+
+Each run's `records.jsonl.gz` holds every prompt's rounds; a gain pairs the two drafters prompt by prompt (the same
+subset, temperature, index and prompt hash) and gets `run.py`'s paired bootstrap interval. Pairing across runs is only
+sound where the runs decoded alike: a drafter recorded in more than one run (the usual control) must have the same
+rounds in each, at every prompt both hold (T=0 decoding is deterministic), or the comparison is refused.
+"""
+
+import gzip
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python evaluation/compare.py`: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from evaluation.run import RunRecords, tau_gain_ci
+from trainer.cli import parse_arguments
+
+
+@dataclass
+class CompareArguments:
+    runs: list[str] = field(metadata={"help": "evaluation/run.py output folders (each with its records.jsonl.gz)."})
+    gains: list[str] = field(metadata={"help": "NAME=REFERENCE pairs of drafters recorded in the runs."})
+
+
+def prompt_rounds(runs: list[str]) -> dict:
+    """{drafter: {(subset, temperature, index, prompt hash): (tokens per round summed, rounds, accepted list)}} over
+    all runs; a drafter recorded in several runs must agree wherever they share a prompt."""
+    recorded = {}
+    for run in runs:
+        path = Path(run) / RunRecords.FILE
+        with gzip.open(path, "rt", encoding="utf-8") as file:
+            records = [json.loads(line) for line in file][1:]  # the first line is the run's identity
+        for record in records:
+            key = (record["subset"], record["temperature"], record["index"], record["prompt"])
+            for name, result in record["methods"].items():
+                accepted = result.get("rounds", {}).get("accepted")
+                if accepted is None:  # plain decoding has no rounds
+                    continue
+                earlier = recorded.setdefault(name, {}).setdefault(key, accepted)
+                if earlier != accepted:
+                    raise ValueError(
+                        f"{name} decoded prompt {key[2]} of {key[0]!r} (T={key[1]}) differently in {path} than in an "
+                        "earlier run: the runs did not decode alike, so their drafters cannot be paired."
+                    )
+    return recorded
+
+
+def gain(recorded: dict, name: str, reference: str) -> dict:
+    """tau of both drafters over the prompts both have, the gain and its 95% interval."""
+    missing = [n for n in (name, reference) if n not in recorded]
+    if missing:
+        raise ValueError(f"{missing} not in the runs' records (drafters: {sorted(recorded)}).")
+    shared = sorted(recorded[name].keys() & recorded[reference].keys())
+    if len(shared) < 2:
+        raise ValueError(f"{name} and {reference} share {len(shared)} prompts: no paired comparison.")
+    counts = {n: [(sum(a + 1 for a in recorded[n][k]), len(recorded[n][k])) for k in shared] for n in (name, reference)}
+    tau = {n: sum(t for t, _ in c) / sum(r for _, r in c) for n, c in counts.items()}
+    return {
+        "drafter": name, "reference": reference, "prompts": len(shared), "tau": tau[name], "reference_tau": tau[reference],
+        "tau_gain": tau[name] / tau[reference] - 1, "tau_gain_ci95": tau_gain_ci(counts[name], counts[reference]),
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    (args,) = parse_arguments(CompareArguments, argv)
+    try:
+        recorded = prompt_rounds(args.runs)
+        pairs = [pair.partition("=") for pair in args.gains]
+        if any(not sep for _, sep, _ in pairs):
+            raise ValueError(f"--gains takes NAME=REFERENCE pairs, got {args.gains}.")
+        results = [gain(recorded, name, reference) for name, _, reference in pairs]
+    except (ValueError, OSError) as error:
+        sys.exit(f"compare: {error}")
+    for r in results:
+        low, high = r["tau_gain_ci95"]
+        print(f"{r['drafter']} vs {r['reference']} ({r['prompts']} prompts): tau {r['tau']:.3f} vs {r['reference_tau']:.3f}, "
+              f"gain {r['tau_gain']:+.1%} [{low:+.1%}, {high:+.1%}]")
+    return results
+
+
+if __name__ == "__main__":
+    main()
