@@ -654,7 +654,7 @@ def test_carry_gate_starts_as_the_checkpoint_then_opens_with_carryover_training(
     own learning rate; decoding stays lossless and the gates are saved and loaded with the weights."""
     import copy
 
-    from trainer.build import DrafterArguments, build_drafter
+    from trainer.build import DrafterArguments, build_drafter, extend_drafter
 
     target, trained, dataset = trained_drafter("llama", 4, 0)
     trained.save_pretrained(tmp_path / "trained")
@@ -678,6 +678,8 @@ def test_carry_gate_starts_as_the_checkpoint_then_opens_with_carryover_training(
     assert any(r.carried for r in lossless_rounds(target, gated.eval(), dataset, num_prompts=3, max_new_tokens=40))
     gated.save_pretrained(tmp_path / "gated")
     assert torch.equal(mc.CarryoverDrafterModel.from_pretrained(tmp_path / "gated").carry_gate, gated.carry_gate)
+    grown = extend_drafter(gated, num_hidden_layers=config.num_hidden_layers + 1)
+    assert torch.equal(grown.carry_gate[:-1], gated.carry_gate) and grown.carry_gate[-1].abs().max() == 0
 
 
 def test_markov_head_warm_starts_from_a_dflash_checkpoint(tmp_path):

@@ -38,8 +38,9 @@ class DrafterArguments:
     continue from. A checkpoint's architecture stays, with four exceptions that start exactly as the checkpoint:
     `carryover_interface` (the ablation interfaces), `carry_gate` (gated carried rows), `markov_rank` on a
     checkpoint without a Markov head (the Markov variant warm-started from a DFlash drafter) and a larger
-    `num_draft_layers` (a deeper drafter grown from a trained one); and `block_size`, which no weight depends on (a drafter trained on 8-token blocks continued on
-    16-token ones: its first slots start from what they learned, the new ones from the same MASK embedding)."""
+    `num_draft_layers` (a deeper drafter grown from a trained one); and `block_size`, which no weight depends on (a
+    drafter trained on 8-token blocks continued on 16-token ones: its first slots start from what they learned, the
+    new ones from the same MASK embedding)."""
 
     drafter_checkpoint: str | None = field(
         default=None,
@@ -190,7 +191,12 @@ def extend_drafter(drafter: CarryoverDrafterModel, **changes) -> CarryoverDrafte
     num_old = drafter.config.num_hidden_layers
     config.layer_types = drafter.config.layer_types + drafter.config.layer_types[-1:] * (config.num_hidden_layers - num_old)
     extended = CarryoverDrafterModel(config)
-    missing, _ = extended.load_state_dict(drafter.state_dict(), strict=False)
+    state = drafter.state_dict()
+    gates = state.pop("carry_gate", None)  # [old layers, H]: a grown drafter has more rows
+    missing, _ = extended.load_state_dict(state, strict=False)
+    if gates is not None and extended.carry_gate is not None:
+        with torch.no_grad():
+            extended.carry_gate[: len(gates)] = gates  # the new layers' gates stay shut
     new_layers = tuple(f"layers.{i}." for i in range(num_old, config.num_hidden_layers))
     new_parts = ("carry_embedding", "carry_proj", "carry_gate", "markov_embed", "markov_proj", "confidence_head") + new_layers
     assert all(key.startswith(new_parts) for key in missing), missing
