@@ -8,8 +8,6 @@ sound where the runs decoded alike: a drafter recorded in more than one run (the
 rounds in each, at every prompt both hold (T=0 decoding is deterministic), or the comparison is refused.
 """
 
-import gzip
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python evaluation/compare.py`: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from evaluation.run import RunRecords, tau_gain_ci
+from evaluation.run import RunRecords, read_records, tau_gain_ci
 from trainer.cli import parse_arguments
 
 
@@ -33,9 +31,7 @@ def prompt_rounds(runs: list[str]) -> dict:
     recorded = {}
     for run in runs:
         path = Path(run) / RunRecords.FILE
-        with gzip.open(path, "rt", encoding="utf-8") as file:
-            records = [json.loads(line) for line in file][1:]  # the first line is the run's identity
-        for record in records:
+        for record in read_records(path)[1:]:  # the first line is the run's identity
             key = (record["subset"], record["temperature"], record["index"], record["prompt"])
             for name, result in record["methods"].items():
                 accepted = result.get("rounds", {}).get("accepted")

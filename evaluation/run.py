@@ -209,7 +209,7 @@ class RunRecords:
         self.path = output_dir / self.FILE
         self.done = {}  # (subset, temperature, prompt index) -> record
         output_dir.mkdir(parents=True, exist_ok=True)
-        lines = self._read() if resume and self.path.exists() else []
+        lines = read_records(self.path) if resume and self.path.exists() else []
         if lines:
             differing = sorted(key for key in identity.keys() | lines[0].keys() if identity.get(key) != lines[0].get(key))
             if differing:
@@ -225,19 +225,6 @@ class RunRecords:
         with gzip.open(temporary, "wt", encoding="utf-8") as file:
             file.writelines(json.dumps(line) + "\n" for line in lines or [identity])
         os.replace(temporary, self.path)
-
-    def _read(self) -> list[dict]:
-        lines = []
-        try:
-            with gzip.open(self.path, "rt", encoding="utf-8") as file:
-                for line in file:
-                    lines.append(json.loads(line))
-        except (EOFError, OSError, ValueError) as error:
-            if not lines:
-                raise ValueError(f"--resume: {self.path} is not a readable records file ({error}).") from None
-            # the last write was interrupted: keep what precedes it
-            print(f"{self.path}: kept its first {len(lines)} lines; the rest is unreadable ({error}).", file=sys.stderr)
-        return lines
 
     def get(self, subset: str, temperature: float, index: int, prompt: str) -> dict | None:
         """{method: result} recorded for this prompt, or None if it was not decoded yet."""
@@ -255,6 +242,22 @@ class RunRecords:
         self.done[subset, temperature, index] = record
         with gzip.open(self.path, "at", encoding="utf-8") as file:
             file.write(json.dumps(record) + "\n")
+
+
+def read_records(path: Path) -> list[dict]:
+    """The lines of a `records.jsonl.gz`: the run's identity, then one record per prompt. A last line cut off by an
+    interrupted write is dropped (with a message); a file with no readable line is a `ValueError`."""
+    lines = []
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as file:
+            for line in file:
+                lines.append(json.loads(line))
+    except (EOFError, OSError, ValueError) as error:
+        if not lines:
+            raise ValueError(f"{path} is not a readable records file ({error}).") from None
+        # the last write was interrupted: keep what precedes it
+        print(f"{path}: kept its first {len(lines)} lines; the rest is unreadable ({error}).", file=sys.stderr)
+    return lines
 
 
 def prompt_hash(prompt: str) -> str:
