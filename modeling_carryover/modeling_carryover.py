@@ -362,7 +362,8 @@ class CarryoverAttention(nn.Module):
         return apply_rotary(keys, *rope), values
 
     def forward(self, hidden_states, context, carried, ropes, masks, past_key_values, carry_gate=None):
-        """masks: the `AttentionMasks` of each layer type; this layer reads its own. carry_gate: this layer's [H]."""
+        """masks: the `AttentionMasks` of each layer type; this layer reads its own. carry_gate: this layer's [H], or
+        None (no gate, or no carried rows to gate)."""
         masks = masks[self.layer_type]
         S, N, B, _ = hidden_states.shape
         query = self.q_norm(self.q_proj(hidden_states).view(S, N, B, self.num_heads, self.head_dim)).transpose(2, 3)
@@ -380,8 +381,6 @@ class CarryoverAttention(nn.Module):
             carried_keys, carried_values = self.keys_values(carried, ropes["carried"])  # [S, N, K, R, D]
             block_keys = torch.cat([carried_keys, block_keys], dim=3)
             block_values = torch.cat([carried_values, block_values], dim=3)
-        else:
-            carry_gate = None  # nothing to gate
 
         if masks.flex is not None:
             out = flex_block_attention(
@@ -607,6 +606,7 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         if carried_mask is not None:
             own_mask = torch.cat([carried_mask, carried_mask.new_ones(S, N, B)], dim=-1)
         num_cached = past_key_values.get_seq_length() if past_key_values is not None else 0
+        gates = self.carry_gate if carried is not None else None  # [layers, H]: only carried rows are gated
         masks = {}  # the AttentionMasks of each layer type this drafter has
         if "full_attention" in self.config.layer_types:
             masks["full_attention"] = AttentionMasks(context_mask, own_mask)
@@ -621,16 +621,15 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         if self.config._attn_implementation == "flex_attention" and not output_attentions:
             T = num_cached + (0 if context is None else context.shape[-2])
             J = B + (0 if carried is None else carried.shape[-2])
-            gated = self.carry_gate is not None and carried is not None
             for type_masks in masks.values():
                 visibility = (type_masks.context, type_masks.own, type_masks.causal_block, S, N, B, T, J, block_embeds.device)
-                type_masks.flex = flex_block_mask(*visibility, rows="uncarried" if gated else "all")
-                if gated:
+                type_masks.flex = flex_block_mask(*visibility, rows="all" if gates is None else "uncarried")
+                if gates is not None:
                     type_masks.flex_carried = flex_block_mask(*visibility, rows="carried")
 
         attentions = ()
         for i, layer in enumerate(self.layers):
-            carry_gate = None if self.carry_gate is None else self.carry_gate[i]
+            carry_gate = None if gates is None else gates[i]
             hidden_states, probs = layer(hidden_states, context, carried, ropes, masks, past_key_values, carry_gate)
             if output_attentions:
                 attentions += (probs,)
