@@ -158,7 +158,7 @@ def replay(target, drafter, recording: Recording, carried=None, top_k=16, attent
         )
         hidden = out.last_hidden_state[0, :, 1 : num_positions + 1]  # slot k predicts the token at anchor + k
         # each proposal scored under its own within-block prefix: the Markov head corrects with the previous draft
-        chunk_drafts, logits = drafter.greedy_drafts(drafter.draft_logits(lm_head, hidden), anchor_ids, return_logits=True)
+        chunk_drafts, logits = drafter.draft_tokens(drafter.draft_logits(lm_head, hidden), anchor_ids, return_logits=True)
         drafts.append(chunk_drafts)
         top_ids.append(drafter.to_target_ids(logits.topk(top_k, dim=-1).indices))
         if attention:

@@ -7,7 +7,7 @@ unchanged, as `custom_generate/generate.py` next to every checkpoint, so that
 
 decodes with carryover in a process where this project is not installed. It talks to the drafter only through the
 drafter's own methods (`check_target`, `feature_hidden_state_indices`, `target_features`, `block_inputs`,
-`rejected_rows`, `forward`, `draft_logits`, `greedy_drafts`, `markov_correction`, `full_vocab_logits`), so the
+`rejected_rows`, `forward`, `draft_logits`, `draft_tokens`, `markov_correction`, `full_vocab_logits`), so the
 concepts they define are the ones training uses too.
 
 Each round (batch size 1, like all assisted generation in transformers):
@@ -191,7 +191,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         Markov head the previous choice. The returned logits are exactly those each draft was drawn from, over the
         target's vocabulary (-inf outside a draft vocabulary: q = 0 there). logits [c, scored vocab]"""
         if not (self.do_sample or len(self.logits_processor)):  # plain greedy: the rule training uses too
-            drafts = self.drafter.greedy_drafts(logits, input_ids[0, -1].to(logits.device))
+            drafts = self.drafter.draft_tokens(logits, input_ids[0, -1].to(logits.device))
             return torch.cat([input_ids, drafts[None].to(input_ids.device)], dim=-1), None
         sequence, previous, chosen_from = input_ids, input_ids[:, -1], []
         logits = logits.to(input_ids.device)  # processors index with the sequence

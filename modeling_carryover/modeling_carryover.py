@@ -702,18 +702,30 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         [...] -> [..., scored_vocab_size]"""
         return self.markov_proj(self.markov_embed(prev_token_ids.to(self.markov_embed.weight.device)))
 
-    def greedy_drafts(self, slot_logits, anchor_ids, return_logits=False):
-        """Greedy target-token drafts from the scored slot logits [..., c, scored_vocab_size] (`draft_logits`; slot k
-        proposes the token at anchor + k): the argmax over the draft vocabulary, mapped to target ids; left to right
-        for the Markov head, which corrects each slot with the previous choice (the anchor for the first). -> [..., c]
-        (and the corrected scored logits the drafts were chosen from, with `return_logits=True`)."""
+    def draft_tokens(self, slot_logits, anchor_ids, temperature=0.0, return_logits=False):
+        """Target-token drafts from the scored slot logits [..., c, scored_vocab_size] (`draft_logits`; slot k proposes
+        the token at anchor + k): the argmax over the draft vocabulary at temperature 0 (greedy decoding's rule), else a
+        sample from softmax(logits / temperature) (carryover training at T > 0: the branches sampled decoding
+        proposes), mapped to target ids; left to right for the Markov head, which corrects each slot with the previous
+        choice (the anchor for the first). -> [..., c] (and the corrected scored logits the drafts were chosen from,
+        with `return_logits=True`)."""
+
+        def choose(logits):  # [..., scored vocab] -> [...] draft-vocabulary indices
+            if temperature == 0:
+                return logits.argmax(-1)
+            probs = (logits.float() / temperature).softmax(-1)
+            return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
+
         if self.config.markov_rank:
-            previous, corrected = anchor_ids, []
+            previous, corrected, chosen = anchor_ids, [], []
             for logits in slot_logits.unbind(-2):
                 corrected.append(logits + self.markov_correction(previous).to(logits.device, logits.dtype))
-                previous = self.to_target_ids(corrected[-1].argmax(-1))
-            slot_logits = torch.stack(corrected, dim=-2)
-        drafts = self.to_target_ids(slot_logits.argmax(-1))
+                chosen.append(choose(corrected[-1]))
+                previous = self.to_target_ids(chosen[-1])
+            slot_logits, choices = torch.stack(corrected, dim=-2), torch.stack(chosen, dim=-1)
+        else:
+            choices = choose(slot_logits)
+        drafts = self.to_target_ids(choices)
         return (drafts, slot_logits) if return_logits else drafts
 
     def confidence(self, hidden_states, prev_token_ids):

@@ -191,7 +191,7 @@ def replay_proposals(target, drafter, sequence, rounds, carryover=True):
         if carryover and previous is not None and previous.accepted < previous.proposed:
             carried = carried_rows_of(target, drafter, recorded, sequence, previous)
         logits = proposal_logits(target, drafter, features, sequence, current, carried)
-        proposals.append(drafter.greedy_drafts(logits, sequence[0, current.anchor_position]).tolist())
+        proposals.append(drafter.draft_tokens(logits, sequence[0, current.anchor_position]).tolist())
     return proposals
 
 
@@ -246,7 +246,7 @@ def test_carryover_reads_the_rejected_rows():
     index = next(i for i, r in enumerate(on_rounds) if r.carried >= 2)
     carried = carried_rows_of(target, drafter, recorded, sequence, on_rounds[index - 1])
     true_logits = proposal_logits(target, drafter, features, sequence, on_rounds[index], carried)
-    assert drafter.greedy_drafts(true_logits, sequence[0, on_rounds[index].anchor_position]).tolist() == on_rounds[index].drafts
+    assert drafter.draft_tokens(true_logits, sequence[0, on_rounds[index].anchor_position]).tolist() == on_rounds[index].drafts
     valid = carried["carried_mask"][0, 0]
     reversed_rows = carried["carried_features"].clone()
     reversed_rows[0, 0, valid] = reversed_rows[0, 0, valid].flip(0)

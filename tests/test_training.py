@@ -25,7 +25,7 @@ from trainer.objectives import (
     position_weights,
     sample_anchors,
 )
-from trainer.verification import check_verification_support, target_pass, verify_branches
+from trainer.verification import check_verification_support, leading_matches, target_pass, verify_branches
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -454,7 +454,7 @@ def test_accepted_length_follows_the_record_where_greedy_verification_disagrees(
     anchors, valid = torch.tensor([[10]]), torch.tensor([[True]])
     with torch.no_grad():
         batch, _ = _batch_of(target, drafter, sequence)
-        drafts = drafter.greedy_drafts(lm_head(drafter_hidden(drafter, embed, batch, anchors, valid)), sequence[0, 10])
+        drafts = drafter.draft_tokens(lm_head(drafter_hidden(drafter, embed, batch, anchors, valid)), sequence[0, 10])
     sequence[0, 11:14] = drafts[0, 0]  # a record that says the drafts were generated (and context < 10 is unchanged)
     batch, recorded = _batch_of(target, drafter, sequence)
     transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=4)
@@ -478,7 +478,7 @@ def test_first_draft_of_training_equals_decoding_proposal():
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     with torch.no_grad():
         hidden = drafter_hidden(drafter, embed, batch, anchors, valid)
-        drafts = drafter.greedy_drafts(lm_head(hidden), sequence[0, anchors[0]][None])
+        drafts = drafter.draft_tokens(lm_head(hidden), sequence[0, anchors[0]][None])
     assert drafts[0].tolist() == [r.drafts for r in rounds]
     transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=2)
     assert transition.accepted_len[0].tolist() == [r.accepted for r in rounds]
@@ -487,6 +487,81 @@ def test_first_draft_of_training_equals_decoding_proposal():
     full = transition.accepted_len == 3
     assert full.any() and (~full).any() and transition.shifted_anchor_valid.all()
     assert transition.carried[2].sum(-1).tolist() == (3 - transition.accepted_len).tolist()
+
+
+@pytest.mark.parametrize("markov_rank", [0, 8])
+def test_sampled_drafts_follow_the_tempered_softmax_over_the_draft_vocabulary(markov_rank):
+    """At a temperature > 0 each slot's draft is a sample of softmax(logits / T) over the draft vocabulary (nothing
+    outside it), and the Markov head corrects slot 2 with the draft sampled at slot 1."""
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=3, markov_rank=markov_rank, draft_vocab_size=4)
+    ids = torch.tensor([3, 7, 11, 20])
+    drafter.set_draft_vocab(ids)
+    torch.manual_seed(0)
+    if markov_rank:  # W2 starts at zero (plain DFlash): give the correction something to do
+        torch.nn.init.normal_(drafter.markov_embed.weight, std=1.0)
+        torch.nn.init.normal_(drafter.markov_proj.weight, std=0.3)
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5], [0.2, -0.3, 0.6, 0.0]])  # [c, scored vocab]
+    temperature, n = 0.7, 20000
+    with torch.no_grad():
+        drafts = drafter.draft_tokens(logits.expand(n, 2, 4), torch.full((n,), 5), temperature)  # [n, c]
+
+        def expected(slot, previous):
+            correction = drafter.markov_correction(torch.tensor(previous)) if markov_rank else 0
+            return ((logits[slot] + correction) / temperature).softmax(-1)
+
+        def frequencies(tokens):  # target ids -> share of each draft-vocabulary token
+            return (tokens[:, None] == ids).float().mean(0)
+
+        assert torch.isin(drafts, ids).all()
+        torch.testing.assert_close(frequencies(drafts[:, 0]), expected(0, 5), atol=0.015, rtol=0)
+        checked = 0
+        for token in ids.tolist():  # slot 2 given slot 1's draft
+            given = drafts[:, 0] == token
+            if given.sum() >= 2000:
+                torch.testing.assert_close(frequencies(drafts[given, 1]), expected(1, token), atol=0.03, rtol=0)
+                checked += 1
+        assert checked >= 2
+        if markov_rank:  # the correction does change slot 2's distribution with slot 1's draft
+            assert (expected(1, 3) - expected(1, 20)).abs().max() > 0.1
+
+
+def test_sampled_first_pass_carries_the_sampled_branch():
+    """carry_temperature > 0: the first pass samples its drafts; m counts those that repeat the record, the carried
+    rows are the target's features of the sampled branch after them (one plain forward per branch), and the trainer
+    runs with it (and refuses a negative temperature or one without carryover)."""
+    import copy
+
+    target, cached, dataset = trained_drafter("llama", 4, 0)
+    sequence = torch.tensor([dataset[5]["input_ids"]])
+    batch, recorded = _batch_of(target, cached, sequence)
+    anchors = torch.arange(6, 40, 2)[None]
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    greedy = draft_verify(cached, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=8)
+    torch.manual_seed(0)
+    sampled = draft_verify(cached, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=8, temperature=1.0)
+    assert (sampled.drafts != greedy.drafts).any()  # the trained drafter is not certain everywhere
+    labels, label_valid = block_labels(sequence, batch.loss_mask, anchors, valid, 3)
+    assert torch.equal(sampled.accepted_len, leading_matches((sampled.drafts == labels) & label_valid))
+    assert 0 < sampled.accepted_len.sum() < sampled.accepted_len.numel() * 3
+    features, position_ids, carried = sampled.carried
+    for j, a in enumerate(anchors[0].tolist()):
+        m = sampled.accepted_len[0, j].item()
+        assert carried[0, j].tolist() == [True] * (3 - m) + [False] * m
+        with torch.no_grad():
+            out = target(torch.cat([sequence[0, : a + 1], sampled.drafts[0, j]])[None], output_hidden_states=True)
+        branch = cached.target_features(out.hidden_states)[0, a + 1 + m :]  # the drafts after the accepted ones
+        torch.testing.assert_close(features[0, j, : 3 - m], branch, atol=1e-5, rtol=1e-5)
+        assert position_ids[0, j, : 3 - m].tolist() == list(range(a + 1 + m, a + 4))
+
+    drafter = copy.deepcopy(cached)
+    trainer = train_drafter(target, drafter, dataset, carryover=True, epochs=1, carry_temperature=1.0)
+    accepted = [entry["first_draft_accepted"] for entry in trainer.state.log_history if "first_draft_accepted" in entry]
+    assert accepted and all(0 <= value < 3 for value in accepted)
+    for bad in ({"carryover": True, "carry_temperature": -1.0}, {"carryover": False, "carry_temperature": 1.0}):
+        with pytest.raises(ValueError, match="carry_temperature"):
+            train_drafter(target, drafter, dataset, epochs=1, **bad)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -809,7 +884,7 @@ def assert_training_transition_reproduces_decoding(target, drafter, dataset):
             with torch.no_grad():
                 hidden = drafter_hidden(drafter, embed, batch, transition.shifted_anchor_positions, valid, transition.carried)
                 logits = drafter.draft_logits(lm_head, hidden[0, 0, : following.proposed])
-                drafts = drafter.greedy_drafts(logits, sequence[0, following.anchor_position])
+                drafts = drafter.draft_tokens(logits, sequence[0, following.anchor_position])
             assert drafts.tolist() == following.drafts
             checked += 1
     assert checked >= 3

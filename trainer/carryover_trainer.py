@@ -80,6 +80,14 @@ class CarryoverArguments:
             "what the shifted anchors and what the rows do to the drafter. The checkpoint then decodes without rows."
         },
     )
+    carry_temperature: float = field(
+        default=0.0,
+        metadata={
+            "help": "Carryover: the first pass samples its drafts at this temperature (0: the argmax, as greedy "
+            "decoding drafts). At 1 the carried rows are the rejected branches of decoding at T=1 (pure sampling), "
+            "which differ from greedy ones; the record stays the committed path."
+        },
+    )
     verify_chunk_size: int = field(default=64, metadata={"help": "Anchors per packed target verification forward."})
 
 
@@ -137,6 +145,12 @@ class CarryoverTrainer(Trainer):
             )
         if not self.carryover_args.carry_rows and not self.carryover_args.carryover:
             raise ValueError("carry_rows=False ablates carryover training's rows: it needs --carryover true.")
+        temperature = self.carryover_args.carry_temperature
+        if temperature < 0 or (temperature > 0 and not self.carryover_args.carryover):
+            raise ValueError(
+                f"carry_temperature={temperature}: it is the temperature of carryover's first-pass drafts; use a value "
+                ">= 0, with --carryover true."
+            )
         carries_rows = self.carryover_args.carryover and self.carryover_args.carry_rows
         drafter = self.accelerator.unwrap_model(self.model)
         drafter.check_target(target_model.config)
@@ -186,6 +200,7 @@ class CarryoverTrainer(Trainer):
             carryover=self.carryover_args.carryover,
             carry_rows=self.carryover_args.carry_rows,
             chunk_size=self.carryover_args.verify_chunk_size,
+            draft_temperature=self.carryover_args.carry_temperature,
         )
         prefix = "" if model.training else "eval_"
         values = self.accelerator.reduce(torch.stack([v.detach().float() for v in metrics.values()]), "mean")

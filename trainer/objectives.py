@@ -229,6 +229,7 @@ def blocks_at(batch: Batch, anchor_positions, anchor_valid, num_slots: int):
 class Transition:
     """The draft-verify result for each anchor: accepted length, shifted anchor, carried rejected rows."""
 
+    drafts: torch.LongTensor  # [S, N, c] the first pass's drafts
     accepted_len: torch.LongTensor  # [S, N]
     verified_len: torch.LongTensor  # [S, N] drafts this forward's greedy verification accepts, up to the response end
     shifted_anchor_positions: torch.LongTensor  # [S, N]
@@ -238,11 +239,22 @@ class Transition:
 
 @torch.no_grad()
 def draft_verify(
-    drafter, target, embed_tokens, lm_head, batch: Batch, recorded, anchor_positions, anchor_valid, chunk_size, hidden=None
+    drafter,
+    target,
+    embed_tokens,
+    lm_head,
+    batch: Batch,
+    recorded,
+    anchor_positions,
+    anchor_valid,
+    chunk_size,
+    hidden=None,
+    temperature=0.0,
 ):
-    """Algorithm 2, steps 1-4: a detached greedy draft at every anchor, the frozen target verifies all branches in
-    parallel, accepted lengths m, rejected states, shifted anchors a' = a + m + 1. `hidden`: the first pass's draft
-    slot states [S, N, c, d] when the caller already ran it (to train on it as well), else computed here.
+    """Algorithm 2, steps 1-4: a detached draft at every anchor (greedy, or sampled at `temperature` > 0), the frozen
+    target verifies all branches in parallel, accepted lengths m, rejected states, shifted anchors a' = a + m + 1.
+    `hidden`: the first pass's draft slot states [S, N, c, d] when the caller already ran it (to train on it as well),
+    else computed here.
 
     m counts the leading drafts that agree with the recorded response: the record is the target's own output (greedy
     verification accepts exactly these drafts for greedy-regenerated data), so the recorded prefix through a' is what
@@ -250,6 +262,11 @@ def draft_verify(
     token at a'. Where the record and this forward's greedy verification disagree (a near-tie decided otherwise by
     other numerics, or sampled data), following the verification instead would carry the true continuation's own
     features as "rejected" rows. `verified_len` is the verification's own count (a diagnostic).
+
+    Sampled drafts keep the record as the committed path: speculative sampling commits a draft exactly when it is the
+    token committed there (a rejected draft x has p(x) < q(x), so the residual it is replaced from is 0 at x), so m
+    counts the sampled drafts that repeat the record, and the carried rows are the sampled branch after them. (The
+    record itself is the greedy regeneration: these are sampled decoding's branches along greedy paths.)
     """
     module = drafter_module(drafter)
     num_slots = module.config.block_size - 1
@@ -260,7 +277,7 @@ def draft_verify(
         anchor_ids = torch.gather(batch.input_ids, 1, anchor_positions)
         drafts = torch.cat(  # the LM head a chunk of anchors at a time: [S, N, c, V] logits never exist at once
             [
-                module.greedy_drafts(module.draft_logits(lm_head, hidden[:, part]), anchor_ids[:, part])
+                module.draft_tokens(module.draft_logits(lm_head, hidden[:, part]), anchor_ids[:, part], temperature)
                 for part in chunks(hidden.shape[1], chunk_size)
             ],
             dim=1,
@@ -282,7 +299,7 @@ def draft_verify(
     shifted_valid = anchor_valid & (shifted < T)
     shifted = torch.where(shifted_valid, shifted, torch.zeros_like(shifted))
     shifted_valid &= torch.gather(batch.loss_mask.bool(), 1, shifted)  # the anchor a' is a response token, as at first
-    return Transition(accepted_len, verified_len, shifted, shifted_valid, carried)
+    return Transition(drafts, accepted_len, verified_len, shifted, shifted_valid, carried)
 
 
 def training_layer_ids(config) -> list:
@@ -292,12 +309,21 @@ def training_layer_ids(config) -> list:
 
 
 def training_step_loss(
-    drafter, target, batch_inputs, num_anchors, settings: LossSettings, carryover: bool, chunk_size=64, carry_rows=True
+    drafter,
+    target,
+    batch_inputs,
+    num_anchors,
+    settings: LossSettings,
+    carryover: bool,
+    chunk_size=64,
+    carry_rows=True,
+    draft_temperature=0.0,
 ):
     """Loss of one batch: baseline (blocks at random anchors) or carryover (draft-verify-draft, the loss of the second
     pass at the shifted anchors with the rejected rows carried, plus `settings.first_pass_weight` x the first pass's
     baseline loss at the random anchors). `carry_rows=False` (an ablation) keeps the shifted anchors and drops the
-    rows: the second pass is then the baseline objective at a' = a + m + 1. Returns (loss, metrics).
+    rows: the second pass is then the baseline objective at a' = a + m + 1. `draft_temperature` > 0 samples the first
+    pass's drafts (the rejected branches of sampled decoding) instead of taking the argmax. Returns (loss, metrics).
 
     The target's layer outputs come from its forward over the batch, or from `batch_inputs["target_hidden_states"]`
     (stored by trainer.features: a tuple with one [S, T, d] entry per target layer): then the baseline runs no target
@@ -333,7 +359,17 @@ def training_step_loss(
         metrics |= {"first_pass_" + name: value for name, value in first_metrics.items()}
     if carryover:
         transition = draft_verify(
-            drafter, target, embed_tokens, lm_head, batch, recorded, anchor_positions, anchor_valid, chunk_size, first_hidden
+            drafter,
+            target,
+            embed_tokens,
+            lm_head,
+            batch,
+            recorded,
+            anchor_positions,
+            anchor_valid,
+            chunk_size,
+            first_hidden,
+            draft_temperature,
         )
         valid = anchor_valid.float()
         metrics["first_draft_accepted"] = (transition.accepted_len * valid).sum() / valid.sum()
