@@ -757,6 +757,28 @@ def test_carry_gate_starts_as_the_checkpoint_then_opens_with_carryover_training(
     assert torch.equal(grown.carry_gate[:-1], gated.carry_gate) and grown.carry_gate[-1].abs().max() == 0
 
 
+def test_train_carry_only_moves_only_what_reads_the_rows(tmp_path):
+    """`--train_carry_only`: gated carryover training moves E_carry and the gates and no other weight, so with its rows
+    off the drafter proposes round for round what its starting checkpoint proposes, and with them on it decodes
+    losslessly with carried rows; without carried rows the flag is refused."""
+    from trainer.build import DrafterArguments, build_drafter
+
+    target, trained, dataset = trained_drafter("llama", 4, 0)
+    trained.save_pretrained(tmp_path / "trained")
+    gated = build_drafter(target, DrafterArguments(drafter_checkpoint=str(tmp_path / "trained"), carry_gate=True))
+    before = {name: weight.clone() for name, weight in gated.state_dict().items()}
+    train_drafter(target, gated, dataset, carryover=True, epochs=2, carry_gate_lr=0.05, train_carry_only=True)
+    assert {name for name, p in gated.named_parameters() if p.requires_grad} == {"carry_embedding", "carry_gate"}
+    changed = {name for name, weight in gated.state_dict().items() if not torch.equal(weight, before[name])}
+    assert changed == {"carry_embedding", "carry_gate"}
+    rows_off = lossless_rounds(target, gated, dataset, num_prompts=3, max_new_tokens=40, carryover=False)
+    checkpoint = lossless_rounds(target, trained, dataset, num_prompts=3, max_new_tokens=40, carryover=False)
+    assert [r.drafts for r in rows_off] == [r.drafts for r in checkpoint]
+    assert any(r.carried for r in lossless_rounds(target, gated, dataset, num_prompts=3, max_new_tokens=40))
+    with pytest.raises(ValueError, match="train_carry_only"):
+        train_drafter(target, gated, dataset, epochs=1, train_carry_only=True)
+
+
 def test_markov_head_warm_starts_from_a_dflash_checkpoint(tmp_path):
     """`--drafter_checkpoint <DFlash drafter> --markov_rank r`: the Markov variant starts as the checkpoint (zero
     correction: the same drafts round by round), its objectives then train the new head, decoding stays lossless;

@@ -88,6 +88,15 @@ class CarryoverArguments:
             "which differ from greedy ones; the record stays the committed path."
         },
     )
+    train_carry_only: bool = field(
+        default=False,
+        metadata={
+            "help": "Carryover: train only what reads the carried rows (E_carry, and the gates or the projector where "
+            "the drafter has them); every other weight stays as loaded. With --carry_gate the result decodes without "
+            "its rows exactly as its starting checkpoint, so comparing the two measures what the rows add and "
+            "nothing else (full carryover training also moves the shared weights, which every run here made worse)."
+        },
+    )
     verify_chunk_size: int = field(default=64, metadata={"help": "Anchors per packed target verification forward."})
 
 
@@ -167,6 +176,10 @@ class CarryoverTrainer(Trainer):
             confidence_weight=self.carryover_args.confidence_weight,
             first_pass_weight=self.carryover_args.first_pass_loss_weight,
         )
+        if self.carryover_args.train_carry_only:
+            if not carries_rows:
+                raise ValueError("train_carry_only trains what reads the carried rows: it needs --carryover true (with rows).")
+            drafter.requires_grad_(False)  # the Trainer's optimizer takes only parameters that require grad
         # The carryover marker trains only where rows are carried: otherwise it gets no gradient (and DDP requires
         # every trained parameter to get one).
         for part in (drafter.carry_embedding, drafter.carry_proj, drafter.carry_gate):
