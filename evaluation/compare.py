@@ -5,7 +5,8 @@
 Each run's `records.jsonl.gz` holds every prompt's rounds; a gain pairs the two drafters prompt by prompt (the same
 subset, temperature, index and prompt hash) and gets `run.py`'s paired bootstrap interval. Pairing across runs is only
 sound where the runs decoded alike: a drafter recorded in more than one run (the usual control) must have the same
-rounds in each, at every prompt both hold (T=0 decoding is deterministic), or the comparison is refused.
+rounds in each, at every prompt both hold (T=0 decoding is deterministic), or the comparison is refused; drafters
+no gain names are not read.
 """
 
 import sys
@@ -25,16 +26,17 @@ class CompareArguments:
     gains: list[str] = field(metadata={"help": "NAME=REFERENCE pairs of drafters recorded in the runs."})
 
 
-def prompt_rounds(runs: list[str]) -> dict:
-    """{drafter: {(subset, temperature, index, prompt hash): (tokens per round summed, rounds, accepted list)}} over
-    all runs; a drafter recorded in several runs must agree wherever they share a prompt."""
+def prompt_rounds(runs: list[str], names: set[str]) -> dict:
+    """{drafter: {(subset, temperature, index, prompt hash): accepted list}} for the named drafters over all runs; a
+    named drafter recorded in several runs must agree wherever they share a prompt. Other drafters are not read, so
+    two runs may each hold a different drafter under one name (e.g. `adapter`) that no gain names."""
     recorded = {}
     for run in runs:
         path = Path(run) / RunRecords.FILE
         for record in read_records(path)[1:]:  # the first line is the run's identity
             key = (record["subset"], record["temperature"], record["index"], record["prompt"])
             for name, result in record["methods"].items():
-                accepted = result.get("rounds", {}).get("accepted")
+                accepted = result.get("rounds", {}).get("accepted") if name in names else None
                 if accepted is None:  # plain decoding has no rounds
                     continue
                 earlier = recorded.setdefault(name, {}).setdefault(key, accepted)
@@ -65,10 +67,10 @@ def gain(recorded: dict, name: str, reference: str) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     (args,) = parse_arguments(CompareArguments, argv)
     try:
-        recorded = prompt_rounds(args.runs)
         pairs = [pair.partition("=") for pair in args.gains]
         if any(not sep for _, sep, _ in pairs):
             raise ValueError(f"--gains takes NAME=REFERENCE pairs, got {args.gains}.")
+        recorded = prompt_rounds(args.runs, {name for name, _, _ in pairs} | {reference for _, _, reference in pairs})
         results = [gain(recorded, name, reference) for name, _, reference in pairs]
     except (ValueError, OSError) as error:
         sys.exit(f"compare: {error}")

@@ -508,8 +508,8 @@ def write_records(folder, prompts):
 
 def test_compare_pairs_drafters_of_two_runs_by_hand(tmp_path):
     """evaluation/compare.py: tau and the paired gain over the prompts both drafters have (computed by hand), run.py's
-    bootstrap interval on the same per-prompt counts, and a refusal where a drafter both runs hold decoded a prompt
-    differently."""
+    bootstrap interval on the same per-prompt counts, and a refusal where a named drafter both runs hold decoded a
+    prompt differently (a drafter no gain names may differ)."""
     from evaluation.compare import main as compare
 
     first = write_records(tmp_path / "a", [{"x": [1, 3], "ref": [0, 1]}, {"x": [2], "ref": [1, 1]}, {"x": [0, 0], "ref": [0]}])
@@ -526,5 +526,9 @@ def test_compare_pairs_drafters_of_two_runs_by_hand(tmp_path):
     other = write_records(tmp_path / "c", [{"ref": [0, 2]}])
     with pytest.raises(SystemExit, match="ref decoded prompt 0 of 'code'"):
         compare(["--runs", first, other, "--gains", "x=ref"])
+    # ref differs between the runs again, but only z and y are compared: z commits 2 + 3 = 5 tokens in 2 rounds
+    third = write_records(tmp_path / "d", [{"ref": [0, 2], "z": [1]}, {"ref": [1, 1], "z": [2]}])
+    (z_vs_y,) = compare(["--runs", second, third, "--gains", "z=y"])
+    assert z_vs_y["prompts"] == 2 and z_vs_y["tau"] == 2.5 and math.isclose(z_vs_y["reference_tau"], 4 / 3)
     with pytest.raises(SystemExit, match="not in the runs' records"):
         compare(["--runs", first, "--gains", "x=z"])
