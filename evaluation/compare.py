@@ -36,8 +36,8 @@ def prompt_rounds(runs: list[str], names: set[str]) -> dict:
         for record in read_records(path)[1:]:  # the first line is the run's identity
             key = (record["subset"], record["temperature"], record["index"], record["prompt"])
             for name, result in record["methods"].items():
-                accepted = result.get("rounds", {}).get("accepted") if name in names else None
-                if accepted is None:  # plain decoding has no rounds
+                accepted = result.get("rounds", {}).get("accepted")
+                if name not in names or accepted is None:  # plain decoding has no rounds
                     continue
                 earlier = recorded.setdefault(name, {}).setdefault(key, accepted)
                 if earlier != accepted:
