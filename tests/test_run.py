@@ -141,7 +141,7 @@ def torchrun(root, weights_dir, port, *extra, env=None):
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-1500:] + result.stderr[-3000:]
     assert "world 2" in result.stdout
     return result.stdout
 
