@@ -55,8 +55,8 @@ def test_embedded_target_from_an_empty_cache(tmp_path, monkeypatch):
 
     expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
     trios = itertools.product(("dflash", "markov"), ("baseline", "carryover", "control"))
-    # dflash-gpu: the baseline trained on a GPU; dflash-gpu-cont(2): it continued on CPU, 1 and 2 epochs (README, Results)
-    for variant, name in [*trios, ("dflash", "gpu"), ("dflash", "gpu-cont"), ("dflash", "gpu-cont2")]:
+    # dflash-gpu: the baseline trained on a GPU; dflash-gpu-cont, -cont2, -cont3: it continued on CPU, 1-3 epochs (README)
+    for variant, name in [*trios, ("dflash", "gpu"), ("dflash", "gpu-cont"), ("dflash", "gpu-cont2"), ("dflash", "gpu-cont3")]:
         shipped = Path(__file__).parents[1] / "hub" / "embedded" / "smollm2-135m-instruct" / f"{variant}-{name}"
         drafter = AutoModel.from_pretrained(shipped, trust_remote_code=True, dtype=torch.float32).eval()
         drafter.check_target(target.config)

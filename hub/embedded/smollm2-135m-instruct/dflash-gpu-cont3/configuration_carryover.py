@@ -1,0 +1,1 @@
+../../../../modeling_carryover/configuration_carryover.py

@@ -1,0 +1,1 @@
+../../../../modeling_carryover/generation_carryover.py

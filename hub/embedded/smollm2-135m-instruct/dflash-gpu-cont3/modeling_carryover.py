@@ -1,0 +1,1 @@
+../../../../modeling_carryover/modeling_carryover.py
