@@ -55,8 +55,9 @@ def test_embedded_target_from_an_empty_cache(tmp_path, monkeypatch):
 
     expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
     trios = itertools.product(("dflash", "markov"), ("baseline", "carryover", "control"))
-    # dflash-gpu: the baseline trained on a GPU; dflash-gpu-cont, -cont2, -cont3: it continued on CPU, 1-3 epochs (README)
-    for variant, name in [*trios, ("dflash", "gpu"), ("dflash", "gpu-cont"), ("dflash", "gpu-cont2"), ("dflash", "gpu-cont3")]:
+    # dflash-gpu: the baseline trained on a GPU; -cont, -cont2, -cont3: it continued on CPU, 1-3 epochs (README)
+    gpu_drafters = [("dflash", "gpu" + epochs) for epochs in ("", "-cont", "-cont2", "-cont3")]
+    for variant, name in [*trios, *gpu_drafters]:
         shipped = Path(__file__).parents[1] / "hub" / "embedded" / "smollm2-135m-instruct" / f"{variant}-{name}"
         drafter = AutoModel.from_pretrained(shipped, trust_remote_code=True, dtype=torch.float32).eval()
         drafter.check_target(target.config)
