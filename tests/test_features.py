@@ -14,7 +14,7 @@ import trainer.features as features_module
 from modeling_carryover.modeling_carryover import hidden_state_request
 from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer, pad_collator
 from trainer.build import FEATURE_INDEX, load_training_rows
-from trainer.features import FEATURES_MANIFEST, TargetFeatures, extract_features
+from trainer.features import FEATURES_MANIFEST, TargetFeatures, extract_features, rows_with_features
 from trainer.objectives import LossSettings, training_step_loss
 from trainer.run import main as run_main
 from trainer.verification import target_pass
@@ -156,6 +156,70 @@ def test_interrupted_extraction_resumes_without_redoing_a_shard(setup, tmp_path,
     assert len(calls) == 2 and first.stat().st_mtime_ns == written  # shards 1 and 2 only
     for i in range(len(straight)):
         assert torch.equal(straight.row(i), resumed.row(i))
+
+
+def test_features_of_grown_rows_grow_the_folder(setup, tmp_path, monkeypatch):
+    """Rows that extend the stored ones (a regeneration grown since) add feature shards for the new rows only (and the
+    partial last shard again); the grown folder equals one extracted straight, and still serves the old rows."""
+    target, rows, drafter, layer_ids = setup
+    straight = extract(setup, tmp_path / "straight")
+    extract((target, rows.select(range(8)), drafter, layer_ids), tmp_path / "grown")  # 2 shards of 4
+    first = tmp_path / "grown" / "features-00000.safetensors"
+    written, calls = first.stat().st_mtime_ns, []
+    shard_features = features_module._shard_features
+    monkeypatch.setattr(features_module, "_shard_features", lambda *args: calls.append(1) or shard_features(*args))
+    grown = extract(setup, tmp_path / "grown")
+    assert len(calls) == 1 and first.stat().st_mtime_ns == written  # the third shard (rows 8-9) only
+    assert len(grown) == 10 and grown.manifest == TargetFeatures(tmp_path / "straight").manifest
+    for i in range(len(straight)):
+        assert torch.equal(straight.row(i), grown.row(i))
+    assert grown.attach(rows.select(range(8)), MAX_LENGTH)[FEATURE_INDEX] == list(range(8))
+    # a partial last shard is extracted again with the new rows
+    extract((target, rows.select(range(6)), drafter, layer_ids), tmp_path / "part")  # rows 4-5 in the second shard
+    first, calls[:] = tmp_path / "part" / "features-00000.safetensors", []
+    written = first.stat().st_mtime_ns
+    grown = extract(setup, tmp_path / "part")
+    assert len(calls) == 2 and first.stat().st_mtime_ns == written  # the second and third shards
+    assert all(torch.equal(straight.row(i), grown.row(i)) for i in range(len(straight)))
+    # rows that do not extend the stored ones are refused
+    for other in (range(2, 10), range(1, 7)):  # whole shards / a partial one, of other rows
+        extract((target, rows.select(other), drafter, layer_ids), tmp_path / f"other-{len(other)}")
+        with pytest.raises(ValueError, match="different data_fingerprint, num_rows"):
+            extract(setup, tmp_path / f"other-{len(other)}")
+
+
+def test_one_features_folder_per_dataset_reads_as_one(setup, tmp_path):
+    """`--features` with one folder per dataset: the rows of both, in order, read the same features as one folder
+    extracted over all of them; mismatched folders are refused; run.py trains from them."""
+    target, rows, drafter, layer_ids = setup
+    one = extract(setup, tmp_path / "one")
+    datasets, folders = [str(tmp_path / "a"), str(tmp_path / "b")], [str(tmp_path / "fa"), str(tmp_path / "fb")]
+    for part, dataset, folder in zip((range(7), range(7, 10)), datasets, folders):
+        rows.select(part).save_to_disk(dataset)
+        extract((target, rows.select(part), drafter, layer_ids), folder)
+    attached, per_dataset = rows_with_features(datasets, None, folders, MAX_LENGTH)
+    assert attached["input_ids"] == rows["input_ids"] and attached[FEATURE_INDEX] == list(range(10))
+    assert len(per_dataset) == 10
+    indices = [5, 6, 7, 9]  # across both folders
+    lengths = [len(attached[i]["input_ids"]) for i in indices]
+    for mine, straight in zip(per_dataset.hidden_states(indices, lengths, 40), one.hidden_states(indices, lengths, 40)):
+        assert (mine is None and straight is None) or torch.equal(mine, straight)
+    with pytest.raises(ValueError, match="3 features folders for 2 datasets"):
+        rows_with_features(datasets, None, [*folders, folders[0]], MAX_LENGTH)
+    with pytest.raises(ValueError, match="fb holds features of other rows"):
+        rows_with_features(datasets, None, folders[::-1], MAX_LENGTH)
+    extract((target, rows.select(range(7, 10)), drafter, layer_ids[:1]), tmp_path / "fewer")
+    with pytest.raises(ValueError, match="fewer and .*fa hold features of different layer_ids"):
+        rows_with_features(datasets, None, [folders[0], str(tmp_path / "fewer")], MAX_LENGTH)
+    target.save_pretrained(tmp_path / "target")
+    trained = run_main(
+        ["--target", str(tmp_path / "target"), "--dataset", *datasets, "--features", *folders, "--num_draft_layers",
+         "2", "--block_size", "4", "--num_anchors", "8", "--per_device_train_batch_size", "5", "--max_steps", "2",
+         "--max_seq_length", str(MAX_LENGTH), "--report_to", "none", "--use_cpu", "--save_strategy", "no",
+         "--disable_tqdm", "true", "--output_dir",
+         str(tmp_path / "out")]
+    )
+    assert trained.state.global_step == 2
 
 
 def test_a_stale_or_foreign_cache_is_refused(setup, tmp_path):

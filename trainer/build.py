@@ -217,24 +217,33 @@ def grow_layer(layer, last_layer) -> None:
             output.bias.zero_()
 
 
+def shard_counts(paths: list, num_shards: int | list[int] | None) -> list[int]:
+    """One `--dataset_shards` count per dataset (0: all of it), checked."""
+    if num_shards is None:
+        return [0] * len(paths)
+    num_shards = [num_shards] if isinstance(num_shards, int) else list(num_shards)
+    if len(num_shards) != len(paths):
+        raise ValueError(
+            f"{len(num_shards)} shard counts for {len(paths)} datasets: give one count per dataset (0: all of it)"
+        )
+    return num_shards
+
+
+def concatenate_rows(parts: list[Dataset]) -> Dataset:
+    """Several datasets' rows in order, with the columns they all have (one data mix of separately made sources)."""
+    common = [c for c in parts[0].column_names if all(c in part.column_names for part in parts)]
+    return concatenate_datasets([part.select_columns(common) for part in parts])
+
+
 def load_training_rows(paths: str | Path | list, num_shards: int | list[int] | None = None) -> Dataset:
     """A regenerated folder (`python -m trainer.regenerate`; `num_shards`: its first shards only), or rows with
     input_ids/loss_mask in a `save_to_disk` folder or a JSONL/Parquet/CSV file. Several paths: their rows in order,
     with the columns they all have (one data mix made of separately regenerated sources); `num_shards` is then one
     count per path, 0 for all of it (e.g. the finished shards of a regeneration still going on, beside others)."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
-    if num_shards is None:
-        num_shards = [0] * len(paths)
-    elif isinstance(num_shards, int):
-        num_shards = [num_shards]
-    if len(num_shards) != len(paths):
-        raise ValueError(
-            f"{len(num_shards)} shard counts for {len(paths)} datasets: give one count per dataset (0: all of it)"
-        )
+    num_shards = shard_counts(paths, num_shards)
     if len(paths) > 1:
-        parts = [load_training_rows(path, count) for path, count in zip(paths, num_shards)]
-        common = [c for c in parts[0].column_names if all(c in part.column_names for part in parts)]
-        return concatenate_datasets([part.select_columns(common) for part in parts])
+        return concatenate_rows([load_training_rows(path, count) for path, count in zip(paths, num_shards)])
     path, count = paths[0], num_shards[0]
     if (Path(path) / MANIFEST).exists():
         return load_regenerated(path, count or None)

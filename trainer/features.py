@@ -6,7 +6,8 @@
 Row i of the dataset (as `load_training_rows` reads it) has its stored layers at index i: shard k holds rows
 [k * shard_size, (k + 1) * shard_size) as one safetensors file (`hidden_states` [tokens, L, d], the rows one after
 another, and `offsets` [rows + 1]), written atomically, so an interrupted extraction resumes at the first missing
-shard and a finished shard is never redone. Training reads each row's slice through a memory map.
+shard and a finished shard is never redone; rows that extend the stored ones (a regeneration grown since) grow the
+folder the same way (its partial last shard, if any, is extracted again). Training reads each row's slice through a memory map.
 
 The manifest (FEATURES_MANIFEST) names the target (and a fingerprint of its weights), the stored layers, the storage
 dtype and a fingerprint of the rows' input_ids: `TargetFeatures` refuses features of another target, of other rows,
@@ -14,6 +15,7 @@ or without a layer the drafter needs, naming what differs. `--final_hidden` also
 (its final, normed hidden state), which the Markov objectives read.
 """
 
+import bisect
 import hashlib
 import json
 import logging
@@ -35,7 +37,7 @@ from tqdm.auto import tqdm
 
 from modeling_carryover.configuration_carryover import default_target_layer_ids
 from modeling_carryover.modeling_carryover import hidden_state_request, layer_outputs
-from trainer.build import FEATURE_INDEX, load_training_rows
+from trainer.build import FEATURE_INDEX, concatenate_rows, load_training_rows, shard_counts
 from trainer.cli import parse_arguments
 from trainer.data import _version, check_resumable, write_atomic
 from trainer.targets import TargetArguments, default_device, load_target
@@ -48,6 +50,8 @@ FEATURES_FORMAT = "carryover-features-v1"
 # Manifest entries that may change between the runs of one resumed extraction (the target's identity is its weights
 # fingerprint, not its name or path).
 NOT_RESUME_KEYS = ("target", "versions", "batch_size")
+# What the features folders of several datasets, read as one, must share.
+SHARED_KEYS = ("target_fingerprint", "num_target_layers", "hidden_size", "layer_ids", "dtype")
 
 
 @dataclass
@@ -118,6 +122,26 @@ def _resume_view(manifest: dict) -> dict:
     return {key: value for key, value in manifest.items() if key not in NOT_RESUME_KEYS}
 
 
+def _grown_from(output_dir: Path, manifest: dict, rows: Dataset) -> int:
+    """How many rows `output_dir` holds features of, with these settings, as the first rows of `rows` (a regeneration
+    grown since), or 0 when it does not: such a folder grows (feature shards for the new rows, and its partial last
+    shard again) instead of being refused, and no whole shard is redone."""
+    path = output_dir / FEATURES_MANIFEST
+    if not path.exists():
+        return 0
+    recorded = json.loads(path.read_text())
+    num_recorded, shard_size = recorded.get("num_rows") or 0, manifest["shard_size"]
+    if not 0 < num_recorded < manifest["num_rows"]:
+        return 0
+    prefixes = manifest["shard_fingerprints"][: num_recorded // shard_size]
+    if num_recorded % shard_size:
+        prefixes.append(data_fingerprints(rows.select(range(num_recorded)), shard_size)[-1])
+    prefix = dict(
+        manifest, num_rows=num_recorded, num_shards=len(prefixes), data_fingerprint=prefixes[-1], shard_fingerprints=prefixes
+    )
+    return num_recorded if _resume_view(recorded) == _resume_view(prefix) else 0
+
+
 def _shard_features(target, rows: Dataset, layer_ids, dtype, batch_size, max_seq_length, bar) -> dict:
     """One shard: the rows' stored layers one after another, `hidden_states` [tokens, L, d], and `offsets` [rows + 1]."""
     num_layers = target.config.get_text_config(decoder=True).num_hidden_layers
@@ -174,7 +198,13 @@ def extract_features(
         "batch_size": batch_size,
         "versions": {p: _version(p) for p in ("carryover-drafting", "torch", "transformers", "safetensors")},
     }
+    manifest = json.loads(json.dumps(manifest))  # compare as it reads back from disk (tuples -> lists)
     output_dir = Path(output_dir)
+    grown_from = _grown_from(output_dir, manifest, rows)
+    if grown_from:  # the grown rows' first whole feature shards are the recorded ones
+        if grown_from % shard_size:  # a partial last shard gets the new rows too (removed before the manifest changes)
+            _shard_path(output_dir, grown_from // shard_size).unlink(missing_ok=True)
+        write_atomic(output_dir / FEATURES_MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2)))
     check_resumable(output_dir, manifest, FEATURES_MANIFEST, "features-*.safetensors", _resume_view)
     output_dir.mkdir(parents=True, exist_ok=True)
     if not (output_dir / FEATURES_MANIFEST).exists():
@@ -262,9 +292,10 @@ class TargetFeatures:
                 "Extract features with --target_layer_ids covering them (--final_hidden for the Markov head's last layer).",
             )
 
-    def attach(self, rows: Dataset, max_seq_length: int) -> Dataset:
-        """`rows` (as the extraction read them) with a FEATURE_INDEX column, after checking they are the rows the
-        features were extracted from and that rows of `max_seq_length` tokens have all their features stored."""
+    def attach(self, rows: Dataset, max_seq_length: int, first_index: int = 0) -> Dataset:
+        """`rows` (as the extraction read them) with a FEATURE_INDEX column (from `first_index`: where these features
+        start among several), after checking they are the rows the features were extracted from and that rows of
+        `max_seq_length` tokens have all their features stored."""
         shard_size = self.manifest["shard_size"]
         fingerprint = data_fingerprints(rows, shard_size)[-1] if len(rows) else None
         known = [self.manifest["data_fingerprint"]]
@@ -281,7 +312,61 @@ class TargetFeatures:
                 "shorter rows", f"max_seq_length={self.manifest['max_seq_length']}", f"max_seq_length={max_seq_length}",
                 "Train with a max_seq_length no larger, or extract features with a larger one.",
             )
-        return rows.add_column(FEATURE_INDEX, list(range(len(rows))))
+        return rows.add_column(FEATURE_INDEX, list(range(first_index, first_index + len(rows))))
+
+
+class DatasetsFeatures(TargetFeatures):
+    """Several datasets' features folders, one each, read as the features of their rows in order (as
+    `load_training_rows` concatenates them): index `starts[k] + i` is row i of folder k. A dataset that grows (a
+    regeneration) then grows only its own folder, and a dataset shared by several mixes is extracted once."""
+
+    def __init__(self, parts: list[TargetFeatures]):
+        first = parts[0]
+        for part in parts[1:]:
+            differs = [key for key in SHARED_KEYS if part.manifest.get(key) != first.manifest.get(key)]
+            if differs:
+                raise ValueError(
+                    f"{part.path} and {first.path} hold features of different {', '.join(differs)}: extract every "
+                    "dataset's features with the same target, layers and dtype."
+                )
+        self.parts, self.path, self.manifest, self.layer_ids = parts, first.path, first.manifest, first.layer_ids
+        self.starts = np.cumsum([0] + [len(part) for part in parts]).tolist()
+
+    def __len__(self):
+        return self.starts[-1]
+
+    def check_target(self, target, target_name: str | None = None) -> None:
+        for part in self.parts:
+            part.check_target(target, target_name)
+
+    def row(self, index: int, length: int | None = None) -> torch.Tensor:
+        folder = bisect.bisect_right(self.starts, index) - 1
+        return self.parts[folder].row(index - self.starts[folder], length)
+
+    def attach(self, rows: list[Dataset], max_seq_length: int) -> Dataset:
+        """The rows of each dataset (one Dataset per folder), each checked against its folder, in order with the
+        columns they all have and a FEATURE_INDEX into these features."""
+        if len(rows) != len(self.parts):
+            raise ValueError(f"{len(rows)} datasets for {len(self.parts)} features folders: give one folder per dataset")
+        return concatenate_rows(
+            [part.attach(part_rows, max_seq_length, start) for part, part_rows, start in zip(self.parts, rows, self.starts)]
+        )
+
+
+def rows_with_features(datasets: list[str], dataset_shards, features: list[str], max_seq_length: int):
+    """The training rows of `datasets` (`load_training_rows`, with `dataset_shards`) with their FEATURE_INDEX column,
+    and the features it points into: one folder for all their rows, or one per dataset -> (rows, features)."""
+    if len(features) == 1:
+        cache = TargetFeatures(features[0])
+        return cache.attach(load_training_rows(datasets, dataset_shards), max_seq_length), cache
+    if len(features) != len(datasets):
+        raise ValueError(
+            f"{len(features)} features folders for {len(datasets)} datasets: give one folder for all their rows, or "
+            "one per dataset"
+        )
+    cache = DatasetsFeatures([TargetFeatures(path) for path in features])
+    counts = shard_counts(datasets, dataset_shards)
+    return cache.attach([load_training_rows(path, n) for path, n in zip(datasets, counts)], max_seq_length), cache
 
 
 def main(argv=None):

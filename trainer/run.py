@@ -34,7 +34,7 @@ from transformers import TrainingArguments, set_seed
 from trainer.build import DrafterArguments, build_drafter, load_training_rows, prepare_rows
 from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer
 from trainer.cli import parse_arguments
-from trainer.features import TargetFeatures
+from trainer.features import rows_with_features
 from trainer.regenerate import RegenerationArguments, regenerate_from_args
 from trainer.targets import TargetArguments, default_device, load_target, warn_if_cpu_bf16_is_slow
 
@@ -57,11 +57,12 @@ class DataArguments:
     )
     max_seq_length: int = field(default=2048, metadata={"help": "Rows are cut to this many tokens."})
     eval_rows: int = field(default=0, metadata={"help": "Hold out this many rows for evaluation (eval_loss)."})
-    features: str | None = field(
+    features: list[str] | None = field(
         default=None,
         metadata={
-            "help": "The target's stored features of --dataset (python -m trainer.features): baseline steps run no "
-            "target forward; carryover reads them and still verifies with the target."
+            "help": "The target's stored features of --dataset (python -m trainer.features): one folder for all its "
+            "rows, or one per dataset. Baseline steps run no target forward; carryover reads them and still verifies "
+            "with the target."
         },
     )
 
@@ -90,13 +91,15 @@ def main(argv=None):
         tokenizer=regenerating,
     )
 
+    features = None
     if regenerating:
         rows = regenerate_from_args(target, tokenizer, regeneration_args, target_args.target)
+    elif data_args.features:
+        rows, features = rows_with_features(
+            data_args.dataset, data_args.dataset_shards, data_args.features, data_args.max_seq_length
+        )
     else:
         rows = load_training_rows(data_args.dataset, data_args.dataset_shards)
-    features = TargetFeatures(data_args.features) if data_args.features else None
-    if features is not None:
-        rows = features.attach(rows, data_args.max_seq_length)
     rows = prepare_rows(rows, data_args.max_seq_length)
     eval_rows = None
     if data_args.eval_rows:
