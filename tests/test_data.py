@@ -28,6 +28,8 @@ from trainer.data import (
     template_turn,
     tokenize_conversations,
 )
+from trainer.build import FEATURE_INDEX, load_training_rows
+from trainer.features import extract_features, rows_with_features
 
 SYSTEM = "<|im_start|>system\nBe brief.<|im_end|>\n"
 # SmolLM2-style ChatML: a default system prompt when the conversation has none.
@@ -392,6 +394,36 @@ def test_a_finished_run_grows_with_more_prompts_in_whole_shards(taught_target, t
         regenerate(taught_target, TOK, ["goodbye", *prompts], out, **settings)
     with pytest.raises(ValueError, match="different num_prompts, prompts_fingerprint, settings.seed"):
         regenerate(taught_target, TOK, [*prompts, "goodbye"], out, **{**settings, "seed": 4})
+
+
+def test_a_grown_regeneration_grows_its_features_and_its_first_shards_train_beside_another_dataset(
+    taught_target, tmp_path
+):
+    """Across sessions: a regeneration grows, its features folder grows with it (the new rows only), and its first
+    shards train beside another dataset with one features folder each, every row reading its own stored layers."""
+    prompts = ["hello", "name a color", "count to three", "say hi", "count to two", "name a colour"]
+    settings = dict(shard_size=2, batch_size=2, max_new_tokens=12, progress=False)
+
+    def extract(data, out):
+        rows = load_training_rows(data)
+        return extract_features(taught_target, rows, out, [0, 1], dtype=torch.float32, shard_size=2, progress=False)
+
+    data, other = tmp_path / "data", tmp_path / "other"
+    regenerate(taught_target, TOK, prompts[:4], data, **settings)
+    first_rows = len(extract(data, tmp_path / "features"))
+    regenerate(taught_target, TOK, prompts, data, **settings)
+    grown, straight = extract(data, tmp_path / "features"), extract(data, tmp_path / "straight")
+    assert first_rows < len(grown) == len(straight) and grown.manifest == straight.manifest
+    regenerate(taught_target, TOK, ["hello there", "count to four"], other, **settings)
+    other_features = extract(other, tmp_path / "other-features")
+
+    rows, features = rows_with_features(
+        [str(data), str(other)], [1, 0], [str(tmp_path / "features"), str(tmp_path / "other-features")], 64
+    )
+    first_shard = len(load_training_rows(data, 1))
+    assert rows[FEATURE_INDEX] == [*range(first_shard), *range(len(grown), len(grown) + len(other_features))]
+    expected = [straight.row(i) for i in range(first_shard)] + [other_features.row(i) for i in range(len(other_features))]
+    assert all(torch.equal(features.row(index), rows) for index, rows in zip(rows[FEATURE_INDEX], expected))
 
 
 def test_metadata_is_recorded_and_a_mismatched_resume_raises(taught_target, tmp_path):
