@@ -11,7 +11,7 @@ from conftest import REPO_ROOT, greedy_dataset, make_drafter, make_target
 from transformers import TrainingArguments
 
 import trainer.features as features_module
-from modeling_carryover.modeling_carryover import hidden_state_request
+from modeling_carryover.modeling_carryover import hidden_state_request, layer_outputs
 from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer, pad_collator
 from trainer.build import FEATURE_INDEX, load_training_rows
 from trainer.features import FEATURES_MANIFEST, TargetFeatures, extract_features, rows_with_features
@@ -50,17 +50,18 @@ def test_cached_features_equal_online_ones(setup, tmp_path, dtype):
     features = extract(setup, tmp_path / "features", dtype)
     attached = features.attach(rows, MAX_LENGTH)
     assert features.layer_ids == sorted(set(layer_ids)) and len(features) == len(rows)
+    num_layers = target.config.num_hidden_layers
     for indices in ([0, 5, 9, 2], [7]):
         batch = collated(features, attached, indices)
         online = target_pass(target, batch["input_ids"], batch["attention_mask"], hidden_state_request(layer_ids))
         cached = batch["target_hidden_states"]
         mask = batch["attention_mask"].bool()
-        for layer in range(target.config.num_hidden_layers):
+        for layer in range(num_layers):
             if layer not in layer_ids:
                 assert cached[layer] is None
                 continue
             assert cached[layer].dtype == dtype
-            expected = online.hidden_states[layer + 1].to(dtype)  # the full HF tuple: embeddings first
+            expected = layer_outputs(online.hidden_states, [layer], num_layers)[0].to(dtype)  # any transformers' format
             torch.testing.assert_close(cached[layer][mask], expected[mask], atol=0, rtol=0)
             assert not cached[layer][~mask].any()  # padding stays zero
         torch.testing.assert_close(
