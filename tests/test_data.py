@@ -423,7 +423,7 @@ def test_a_grown_regeneration_grows_its_features_and_its_first_shards_train_besi
     first_shard = len(load_training_rows(data, 1))
     assert rows[FEATURE_INDEX] == [*range(first_shard), *range(len(grown), len(grown) + len(other_features))]
     expected = [straight.row(i) for i in range(first_shard)] + [other_features.row(i) for i in range(len(other_features))]
-    assert all(torch.equal(features.row(index), rows) for index, rows in zip(rows[FEATURE_INDEX], expected))
+    assert all(torch.equal(features.row(index), stored) for index, stored in zip(rows[FEATURE_INDEX], expected))
 
 
 def test_metadata_is_recorded_and_a_mismatched_resume_raises(taught_target, tmp_path):
