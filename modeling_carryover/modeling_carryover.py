@@ -649,7 +649,9 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         """The target's LM head on the drafter's hidden states, restricted to the rows of the draft vocabulary (all
         rows without one). hidden [..., d] -> float32 logits [..., scored_vocab_size]"""
         weight = lm_head.weight
-        hidden = hidden.to(weight.device, weight.dtype)
+        # contiguous: a strided input (e.g. a block's slots after its anchor) is not folded into one matmul, and
+        # `linear` then broadcasts the weight over every block ([S*N, d, V] batched: several times the time)
+        hidden = hidden.to(weight.device, weight.dtype).contiguous()
         if self.draft_token_ids is None:
             return lm_head(hidden).float()
         rows = self.draft_token_ids.to(weight.device)

@@ -52,6 +52,7 @@ class BenchArguments:
     )
     num_draft_layers: int = field(default=2)
     block_size: int = field(default=16)
+    draft_vocab_size: int | None = field(default=None, metadata={"help": "The recipe's 8192: the head's most frequent rows."})
     dataset: str | None = field(default=None, metadata={"help": "Training rows; default: synthetic random tokens."})
     synthetic_length: int = field(default=256, metadata={"help": "Tokens per synthetic row (32 prompt + response)."})
     steps: int = field(default=4)
@@ -146,9 +147,12 @@ def measure_mode(args, mode: str, dtype: str) -> dict:
     rows = load_training_rows(args.dataset) if args.dataset else synthetic_rows(target.config.vocab_size, args.synthetic_length)
     torch.manual_seed(0)
     drafter_args = DrafterArguments(
-        num_draft_layers=args.num_draft_layers, block_size=args.block_size, attn_implementation=args.attn_implementation
+        num_draft_layers=args.num_draft_layers,
+        block_size=args.block_size,
+        draft_vocab_size=args.draft_vocab_size,
+        attn_implementation=args.attn_implementation,
     )
-    drafter = build_drafter(target, drafter_args).to(device).train()  # float32 master weights
+    drafter = build_drafter(target, drafter_args, rows).to(device).train()  # float32 master weights
     with tempfile.TemporaryDirectory(prefix="bench-features-") as features_dir:
         extraction, features = {}, None
         if mode.endswith("_cached"):
