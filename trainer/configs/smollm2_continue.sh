@@ -9,7 +9,8 @@
 #   CPU_SHARDS=N   first grow data-cpu to N shards of 1,024 responses (default 0: train on what ships; about 25 min
 #                  a shard here, float32, 2 threads)
 #   SETS, SHARDS   the response sets (folders of the shipped one) and the shards used of each (0: all); default
-#                  "data-gpu data-cpu data data-stub" and "0 0 0 0"
+#                  "data-gpu data-cpu data data-stub" and "10 0 0 0" (data-gpu ships the 10 finished shards of the
+#                  25 its manifest plans; a partial set is refused unless its count is named)
 #   THREADS=N      torch threads of every step (default 2)
 #   OUT_DIR        the drafter (default runs/smollm2-dflash/continue)
 # Arguments are more trainer/run.py flags.
@@ -22,7 +23,7 @@ STEPS=${STEPS:-1800}
 SEED=${SEED:-0}
 CPU_SHARDS=${CPU_SHARDS:-0}
 read -ra sets <<< "${SETS:-data-gpu data-cpu data data-stub}"
-read -ra shards <<< "${SHARDS:-0 0 0 0}"
+read -ra shards <<< "${SHARDS:-10 0 0 0}"
 THREADS=${THREADS:-2}
 OUT_DIR=${OUT_DIR:-runs/smollm2-dflash/continue}
 [ "${#sets[@]}" -eq "${#shards[@]}" ] || { echo "SETS names ${#sets[@]} sets, SHARDS ${#shards[@]} counts" >&2; exit 2; }
