@@ -161,7 +161,7 @@ def main(argv=None):
     block = drafter.config.block_size
     with tempfile.TemporaryDirectory() as exports:
         # warns: E_carry dropped, as it should be; the target head's rows are written for a draft vocabulary only
-        plain_export = export_dflash(drafter, f"{exports}/dflash", target_lm_head=target_lm_head(target))
+        plain_export = export_dflash(drafter, f"{exports}/dflash", target_lm_head=target_lm_head(target, drafter))
         carryover_export = export_vllm(drafter, f"{exports}/carryover", carryover=True)
         job = {"target": target, "dtype": args.dtype, "prompts": prompt_ids(target, args.benchmark, args.num_prompts),
                "max_tokens": args.max_tokens, "concurrency": args.concurrency, "repeats": args.repeats}  # fmt: skip

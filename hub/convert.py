@@ -169,7 +169,7 @@ def import_drafter(path_or_repo_id: str, revision: str | None = None, init_only:
     """Load a drafter checkpoint in any of `FORMATS` as this project's drafter.
 
     Foreign drafters come in with `carryover=False` and E_carry zero, so they decode exactly as the original and
-    carryover training can continue from them. `init_only=True` also accepts DSpark's block layout (see
+    carryover training can continue from them (the vLLM plugin's DFlash export keeps its E_carry and setting). `init_only=True` also accepts DSpark's block layout (see
     `check_block_layout`) as an initialisation for training.
     """
     folder = resolve_checkpoint(path_or_repo_id, revision)
@@ -188,18 +188,30 @@ def import_drafter(path_or_repo_id: str, revision: str | None = None, init_only:
 
 
 def from_dflash(config: dict, weights: dict[str, torch.Tensor]) -> CarryoverDrafterModel:
-    """z-lab DFlash -> the same drafter here (carryover off)."""
+    """z-lab DFlash -> the same drafter here (carryover off). The fields `export_dflash` adds come back too: a draft
+    vocabulary (`draft_vocab_size` with speculators' d2t/t2d) becomes our token map, and its `lm_head.weight` (the
+    target head's rows of the draft tokens, for stock vLLM) is dropped, since ours scores the target's head; the vLLM
+    plugin's E_carry and `dflash_config.carryover` and `target_model_type` are kept."""
     dflash = config["dflash_config"]
+    source = "z-lab DFlash"
+    draft_token_ids = speculators_token_map(config, weights, _required(config, "vocab_size", source), source)
+    if draft_token_ids is not None:
+        weights.pop("lm_head.weight", None)
     drafter_config = drafter_config_from_layers(
         config,
-        "z-lab DFlash",
+        source,
         # z-lab's own default when the ids are absent is the rule `default_target_layer_ids` implements
         target_layer_ids=dflash.get("target_layer_ids"),
         num_target_layers=_required(config, "num_target_layers", "z-lab DFlash"),
         block_size=config.get("block_size") or _required(dflash, "block_size", "z-lab DFlash"),
         mask_token_id=_required(dflash, "mask_token_id", "z-lab DFlash dflash_config"),
+        draft_vocab_size=None if draft_token_ids is None else len(draft_token_ids),
     )
-    return drafter_from_weights(drafter_config, weights, "z-lab DFlash")
+    drafter_config.carryover = bool(dflash.get("carryover", False))
+    drafter_config.target_model_type = dflash.get("target_model_type", drafter_config.target_model_type)
+    if draft_token_ids is not None:
+        weights["draft_token_ids"] = draft_token_ids
+    return drafter_from_weights(drafter_config, weights, source)
 
 
 def from_dspark(config: dict, weights: dict[str, torch.Tensor], init_only: bool = False) -> CarryoverDrafterModel:
@@ -546,11 +558,14 @@ def speculators_token_maps(draft_token_ids: torch.Tensor, vocab_size: int) -> di
     }
 
 
-def target_lm_head(target: str) -> torch.Tensor:
-    """The LM head weight [vocab, d] of `target` (a folder, Hub id or the embedded default), loaded in float32."""
+def target_lm_head(target: str, drafter: CarryoverDrafterModel) -> torch.Tensor:
+    """The LM head weight [vocab, d] of `target` (a folder, Hub id or the embedded default), loaded in float32, once
+    `drafter.check_target` accepts it: another model's head would give the export foreign rows without an error."""
     from trainer.targets import load_target
 
-    return load_target(target, tokenizer=False)[0].get_output_embeddings().weight
+    model = load_target(target, tokenizer=False)[0]
+    drafter.check_target(model.config)
+    return model.get_output_embeddings().weight
 
 
 def export_transformers(drafter: CarryoverDrafterModel, output_dir: str | Path) -> Path:
@@ -715,9 +730,11 @@ class ConvertArguments:
 def convert(args: ConvertArguments) -> Path:
     if args.to == "speculators" and not args.verifier:
         raise ValueError("--to speculators needs --verifier (the target model's Hub id).")
+    if args.verifier and args.to not in ("speculators", "dflash"):
+        raise ValueError(f"--verifier has no effect with --to {args.to}: it is for --to speculators and --to dflash.")
     drafter = import_drafter(args.source, revision=args.revision, init_only=args.init_only)
     if args.to == "dflash":
-        head = None if args.verifier is None else target_lm_head(args.verifier)
+        head = None if args.verifier is None else target_lm_head(args.verifier, drafter)
         return export_dflash(drafter, args.output_dir, target_lm_head=head)
     if args.to == "speculators":
         return export_speculators(drafter, args.output_dir, args.verifier)

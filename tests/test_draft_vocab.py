@@ -83,6 +83,8 @@ def test_config_and_token_map_are_validated():
     ]:
         with pytest.raises(ValueError, match=message):
             drafter.set_draft_vocab(ids)
+    with pytest.raises(ValueError, match=r"scores the whole target vocabulary \(draft_vocab_size=None\)"):
+        make_drafter(target).set_draft_vocab([1, 2, 3])
 
 
 def test_drafts_live_on_the_draft_vocabulary():
@@ -213,6 +215,37 @@ def test_dflash_export_with_the_target_head_writes_its_rows_and_the_map(tmp_path
     assert (config["architectures"], config["draft_vocab_size"]) == (["DFlashDraftModel"], 16)
     assert torch.equal(weights["lm_head.weight"], target.lm_head.weight[ids])  # [16, d]
     assert torch.equal(weights["d2t"] + torch.arange(16), ids) and torch.equal(weights["t2d"].nonzero()[:, 0], ids)
+
+    # it imports back as the same drafter: the map from d2t/t2d, the head rows dropped (ours scores the target's head)
+    reimported = import_drafter(str(folder))
+    assert reimported.config.draft_vocab_size == 16 and torch.equal(reimported.draft_token_ids, ids)
+    assert all(torch.equal(value, reimported.state_dict()[key]) for key, value in drafter.state_dict().items())
+
+    # another model's head is refused, not written: a Qwen3 target of another vocabulary
+    make_target("qwen3", vocab_size=128).save_pretrained(tmp_path / "other")
+    args.verifier, args.output_dir = str(tmp_path / "other"), str(tmp_path / "out2")
+    with pytest.raises(ValueError, match="vocab"):
+        convert(args)
+    args.to = "transformers"
+    with pytest.raises(ValueError, match="--verifier has no effect with --to transformers"):
+        convert(args)
+
+
+def test_vllm_plugin_export_imports_back_with_carryover_and_the_map(tmp_path):
+    """hub/vllm_plugin.py's export (z-lab's format with E_carry, the carryover setting and a draft vocabulary)
+    imports back as the drafter it was written from: the same weights, map and carryover, the same drafts."""
+    from hub.vllm_plugin import export_vllm
+
+    target, drafter, dataset, _ = draft_vocab_drafter()
+    assert drafter.config.carryover and drafter.carry_embedding.any()
+    reimported = import_drafter(str(export_vllm(drafter, tmp_path / "vllm")))
+    assert reimported.config.carryover and reimported.config.draft_vocab_size == DRAFT_VOCAB
+    assert all(torch.equal(value, reimported.state_dict()[key]) for key, value in drafter.state_dict().items())
+    prompt = torch.tensor([dataset[1]["input_ids"][:6]])
+    expected = mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=30)
+    expected_rounds = [(r.drafts, r.carried) for r in drafter.generation_stats.rounds]
+    assert torch.equal(mc.generate(target, prompt, assistant_model=reimported, max_new_tokens=30), expected)
+    assert [(r.drafts, r.carried) for r in reimported.generation_stats.rounds] == expected_rounds
 
 
 def test_run_cli_computes_the_map_and_carryover_keeps_it(tmp_path):
