@@ -8,6 +8,27 @@ CARRYOVER_INTERFACES = ("embedding", "none", "projector")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def check_target_layer_ids(target_layer_ids: list[int], num_target_layers: int) -> None:
+    """Feature layers must be decoder layers of the target: id l is the output of decoder layer l."""
+    if not target_layer_ids:
+        raise ValueError("target_layer_ids must name at least one target layer.")
+    bad = [i for i in target_layer_ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ValueError(
+            f"target_layer_ids {bad} out of range: the target has {num_target_layers} decoder layers, "
+            f"valid ids are 0..{num_target_layers - 1} (id l = output of decoder layer l)."
+        )
+
+
+def full_attention_rope(rope_parameters) -> dict | None:
+    """The target's RoPE settings for the drafter's (full-attention) layers: Gemma-style targets give one entry per
+    layer type ({"sliding_attention": {...}, "full_attention": {...}}), the others one for all layers."""
+    rope = dict(rope_parameters or {})
+    if isinstance(rope.get("full_attention"), dict):
+        rope = dict(rope["full_attention"])
+    return copy.deepcopy(rope) or None
+
+
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
     """DFlash's rule: one feature -> the middle layer; else evenly spaced from layer 1 to layer L-3.
 
@@ -83,8 +104,9 @@ class CarryoverDrafterConfig(PreTrainedConfig):
             without them, and opens to them only as far as they help. False: one softmax over all rows (the paper).
         markov_rank (`int`): 0 for a plain DFlash drafter; `r > 0` adds the DSpark-style first-order correction
             `lm_head(h_k) + W2(W1[x_{k-1}])` of rank `r` and its confidence head (trained with DSpark's objective
-            and exported with the head; decoding always proposes `block_size - 1` tokens, as in the paper, which
-            disables confidence scheduling).
+            and exported with the head; decoding does not use the confidence head: it proposes `block_size - 1`
+            tokens, or `num_assistant_tokens`, or as many as `draft_confidence_threshold` keeps, judged on the
+            corrected logits).
         draft_vocab_size (`int`, *optional*): None (the default) scores the target's whole vocabulary. `N` restricts
             the drafter to a draft vocabulary of N target tokens (FR-Spec; EAGLE-3's d2t/t2d), in practice the N most
             frequent in the training responses: the model's `draft_token_ids` buffer (saved with the weights) names
@@ -141,20 +163,18 @@ class CarryoverDrafterConfig(PreTrainedConfig):
         """Raise a `ValueError` naming the first invalid field."""
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (anchor + at least one draft slot), got {self.block_size}.")
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids must name at least one target layer.")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(
-                f"target_layer_ids {bad} out of range: the target has {self.num_target_layers} decoder layers, "
-                f"valid ids are 0..{self.num_target_layers - 1} (id l = output of decoder layer l)."
-            )
+        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise ValueError(f"target_layer_ids has duplicates: {self.target_layer_ids}.")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}).")
         if self.carryover_interface not in CARRYOVER_INTERFACES:
             raise ValueError(f"carryover_interface must be one of {CARRYOVER_INTERFACES}, got {self.carryover_interface!r}.")
+        if "rope_theta" not in self.rope_parameters:
+            raise ValueError(
+                f"rope_parameters {self.rope_parameters} has no rope_theta (settings per layer type, e.g. Gemma 3's, "
+                "give the full-attention layers' entry, as from_target_config does)."
+            )
         rope_type = self.rope_parameters.get("rope_type", "default")
         if rope_type in ("dynamic", "longrope"):
             raise ValueError(f"rope_type {rope_type!r} depends on the sequence length; the drafter supports static RoPE.")
@@ -221,7 +241,7 @@ class CarryoverDrafterConfig(PreTrainedConfig):
             "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
             "attention_bias": bool(getattr(text, "attention_bias", False)),
             "max_position_embeddings": text.max_position_embeddings,
-            "rope_parameters": copy.deepcopy(dict(text.rope_parameters or {})) or None,
+            "rope_parameters": full_attention_rope(text.rope_parameters),
             "num_target_layers": text.num_hidden_layers,
             "target_model_type": text.model_type,
         }
@@ -261,4 +281,4 @@ class CarryoverDrafterConfig(PreTrainedConfig):
             raise ValueError("This drafter does not fit the target: " + "; ".join(problems) + ".")
 
 
-__all__ = ["CarryoverDrafterConfig", "default_target_layer_ids"]
+__all__ = ["CarryoverDrafterConfig", "check_target_layer_ids", "default_target_layer_ids"]

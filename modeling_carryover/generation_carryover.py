@@ -101,7 +101,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
 
     def __init__(
         self, target, drafter, generation_config, logits_processor=None, carryover=None, input_ids=None,
-        draft_confidence_threshold=None,
+        draft_confidence_threshold=None, num_assistant_tokens=None,
     ):
         drafter.check_target(target.config)
         if draft_confidence_threshold is not None and not 0 < draft_confidence_threshold <= 1:
@@ -117,7 +117,9 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         # Drafts per round: the block's block_size - 1 slots, or fewer with `num_assistant_tokens` (vLLM's
         # num_speculative_tokens): the drafter still fills its whole block, the target verifies only the first ones.
         # Where verifying costs more per token than drafting (a CPU), fewer can be faster at the same block size.
-        self.max_drafts = drafts_per_round(drafter.config.block_size, generation_config.num_assistant_tokens)
+        # Not generation_config.num_assistant_tokens: transformers fills in its own default there (20), which would
+        # silently cap blocks above 21 tokens.
+        self.max_drafts = drafts_per_round(drafter.config.block_size, num_assistant_tokens)
         self.draft_confidence_threshold = draft_confidence_threshold
         self.carryover = drafter.config.carryover if carryover is None else bool(carryover)
         self.use_markov = drafter.config.markov_rank > 0
@@ -183,7 +185,12 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         hidden = out.last_hidden_state[0, 0, 1 : num_drafts + 1]  # slot k predicts the token at anchor + k
         logits = self.drafter.draft_logits(self.lm_head, hidden)  # [c, scored vocab]: the draft vocabulary, if any
         if self.draft_confidence_threshold is not None:
-            logits = logits[: confident_drafts(logits, self.draft_confidence_threshold)]
+            # judged on the distributions the greedy drafts come from (a Markov head's corrected ones), never on a
+            # sampled draft
+            judged = logits
+            if self.use_markov:
+                judged = self.drafter.draft_tokens(logits, input_ids[0, -1].to(logits.device), return_logits=True)[1]
+            logits = logits[: confident_drafts(judged, self.draft_confidence_threshold)]
         return self._choose_drafts(input_ids, logits)
 
     def _choose_drafts(self, input_ids, logits):
@@ -305,6 +312,7 @@ def carryover_decoding(
     carryover=None,
     carryover_streamer=None,
     draft_confidence_threshold=None,
+    carryover_num_assistant_tokens=None,
     inputs_tensor=None,
     **model_kwargs,
 ):
@@ -321,7 +329,7 @@ def carryover_decoding(
         raise ValueError("Carryover decoding does not support padded prompts; pass the prompt without padding.")
     generator = CarryoverCandidateGenerator(
         model, carryover_drafter, generation_config, logits_processor, carryover=carryover, input_ids=input_ids,
-        draft_confidence_threshold=draft_confidence_threshold,
+        draft_confidence_threshold=draft_confidence_threshold, num_assistant_tokens=carryover_num_assistant_tokens,
     )
     if carryover_streamer is not None:
         carryover_streamer.put(input_ids.cpu())
@@ -370,7 +378,8 @@ def generate(
     `carryover=False` decodes with the same weights but without carried rows (the paper's OFF); the default is the
     drafter config's `carryover`. `draft_confidence_threshold` (in (0, 1]) verifies only the leading drafts whose
     running product of the drafter's top probabilities stays at or above it (at least one a round; `confident_drafts`),
-    within `num_assistant_tokens`. Afterwards `assistant_model.generation_stats` holds the per-round records.
+    within `num_assistant_tokens` (drafts per round; unset: all `block_size - 1`). Afterwards
+    `assistant_model.generation_stats` holds the per-round records.
     """
     if assistant_model is None or not hasattr(assistant_model, "block_inputs"):
         raise ValueError(
@@ -388,5 +397,6 @@ def generate(
         carryover=carryover,
         carryover_streamer=streamer,
         draft_confidence_threshold=draft_confidence_threshold,
+        carryover_num_assistant_tokens=kwargs.pop("num_assistant_tokens", None),
         **kwargs,
     )

@@ -47,6 +47,9 @@ USAGE_HINT = (
 # transformers 5.23 on; 5.19-5.22 index the decoder layers directly and return no embedding entry.
 _LIST_INDEXES_FULL_TUPLE = version.parse(transformers.__version__).release >= (5, 23)
 
+# save_pretrained(push_to_hub=True, ...) arguments that belong to push_to_hub
+PUSH_TO_HUB_KWARGS = ("repo_id", "commit_message", "commit_description", "private", "revision", "create_pr", "tags")
+
 
 class OneDNNLinear(nn.Linear):
     """An `nn.Linear` whose float32 CPU inference runs as a oneDNN matmul against a copy of its weight packed once
@@ -112,6 +115,11 @@ def rejected_rows(window_features, window_position_ids, accepted_len):
 def check_draft_token_ids(draft_token_ids, config) -> None:
     """Raise a `ValueError` unless `draft_token_ids` is a valid token map for `config`: `draft_vocab_size` target ids,
     strictly increasing (so unique), each in [0, vocab_size)."""
+    if config.draft_vocab_size is None:
+        raise ValueError(
+            "This drafter scores the whole target vocabulary (draft_vocab_size=None): a token map needs a drafter "
+            "built with draft_vocab_size=N."
+        )
     ids = draft_token_ids
     expected = (config.draft_vocab_size,)
     if ids.dtype != torch.long or tuple(ids.shape) != expected:
@@ -737,9 +745,12 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
 
     # -- decoding and checkpoints -------------------------------------------------------------------------------
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, push_to_hub=False, **kwargs):
         """Save weights, config (with `auto_map`), the model code and `custom_generate/generate.py`, so that the
         folder (or a Hub repo with the same files) decodes with `custom_generate=<folder>` on its own."""
+        # transformers uploads from inside its save_pretrained, before custom_generate/ exists here: push afterwards
+        hub_kwargs = {key: kwargs.pop(key) for key in PUSH_TO_HUB_KWARGS if key in kwargs}
+        repo_id = hub_kwargs.pop("repo_id", Path(save_directory).name)
         # FSDP2 swaps the instance's class for a subclass defined in torch: save as the class defined here, so that
         # the folder gets this code and an auto_map that names it
         sharded_class = type(self)
@@ -751,6 +762,8 @@ class CarryoverDrafterModel(CarryoverPreTrainedModel):
         custom_generate = Path(save_directory) / "custom_generate"
         custom_generate.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(inspect.getsourcefile(carryover_generate), custom_generate / "generate.py")
+        if push_to_hub:
+            self.push_to_hub(repo_id, token=kwargs.get("token"), **hub_kwargs)
 
 
 CarryoverDrafterConfig.register_for_auto_class()

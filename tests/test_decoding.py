@@ -62,6 +62,17 @@ def test_fewer_drafts_per_round_than_the_block_stay_lossless():
         mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=4, num_assistant_tokens=0)
 
 
+def test_a_block_above_transformers_default_of_20_assistant_tokens_drafts_all_its_slots():
+    """Unset `num_assistant_tokens` means the whole block (block_size - 1 drafts), not transformers' own assisted
+    decoding default of 20, which its generation config fills in."""
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=24)
+    prompt = torch.tensor([[1, 5, 9, 13]])
+    expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    assert torch.equal(mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=30), expected)
+    assert drafter.generation_stats.rounds[0].proposed == 23
+
+
 def test_confident_drafts_stay_lossless_and_shorten_unlikely_rounds():
     """`draft_confidence_threshold`: a round verifies the leading drafts whose running product of the drafter's top
     probabilities stays at or above it (at least one). Output equals plain greedy; higher thresholds verify fewer."""
@@ -85,6 +96,13 @@ def test_confident_drafts_stay_lossless_and_shorten_unlikely_rounds():
         assert len({r.proposed for r in rounds}) > 1  # the round length follows the drafter's confidence
         mean_proposed[threshold] = sum(r.proposed for r in rounds) / len(rounds)
     assert mean_proposed[0.01] > mean_proposed[0.1] > mean_proposed[0.4], mean_proposed
+    # a Markov drafter is judged on its corrected slots: a correction that makes every slot certain verifies them all
+    markov = make_drafter(target, block_size=8, markov_rank=4)
+    with torch.no_grad():  # every slot's correction puts all its mass on token 5
+        markov.markov_embed.weight.fill_(1.0)
+        markov.markov_proj.weight.zero_()[5] = 100.0
+    out = mc.generate(target, prompt, assistant_model=markov, max_new_tokens=40, draft_confidence_threshold=0.5)
+    assert torch.equal(out, expected) and max(r.proposed for r in markov.generation_stats.rounds) == 7
     for bad in (0, 1.5):
         with pytest.raises(ValueError, match=f"draft_confidence_threshold must be in \\(0, 1\\], got {bad}"):
             mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=4, draft_confidence_threshold=bad)
@@ -322,3 +340,24 @@ def test_foreign_and_corrupt_checkpoints(tmp_path):
     safetensors.torch.save_file(state, weights, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="missing_keys"):
         mc.CarryoverDrafterModel.from_pretrained(tmp_path / "drafter")
+
+
+def test_a_gemma3_target_with_rope_per_layer_type_decodes_losslessly():
+    """Gemma 3 targets give RoPE settings per layer type: the drafter takes the full-attention layers' (its own layers
+    are full attention); a config with the nested settings themselves is a clear error, not a KeyError at init."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )
+    torch.manual_seed(0)
+    target = Gemma3ForCausalLM(config).eval()
+    drafter = make_drafter(target)
+    assert drafter.config.rope_parameters == config.rope_parameters["full_attention"]
+    prompt = torch.tensor([[2, 5, 9, 13, 7]])
+    expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    assert torch.equal(mc.generate(target, prompt, assistant_model=drafter, max_new_tokens=30), expected)
+    with pytest.raises(ValueError, match="has no rope_theta .settings per layer type"):
+        mc.CarryoverDrafterConfig(**{**drafter.config.to_dict(), "rope_parameters": config.rope_parameters})

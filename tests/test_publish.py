@@ -329,3 +329,27 @@ def test_published_repo_loads_and_decodes_from_the_hub(workdir, checkpoint_dir, 
         downloaded
     )
     assert downloaded.items() <= hub.commits[0].files.items()
+
+
+SAVE_AND_PUSH = """
+import sys
+from modeling_carryover import CarryoverDrafterModel
+drafter = CarryoverDrafterModel.from_pretrained(sys.argv[1])
+drafter.save_pretrained(sys.argv[2], push_to_hub=True, repo_id="me/pushed", commit_message="push from save")
+"""
+
+
+def test_save_pretrained_with_push_to_hub_uploads_the_custom_generate_folder(workdir, checkpoint_dir, tmp_path):
+    """`drafter.save_pretrained(folder, push_to_hub=True)` uploads the folder as saved, custom_generate/ included
+    (transformers' own upload happens before the drafter's save_pretrained writes it)."""
+    with FakeHub(max_requests=50) as hub:
+        env = clean_env(tmp_path / "hf_home", HF_ENDPOINT=hub.endpoint, HF_TOKEN="hf_fake_token", HF_HUB_OFFLINE="0")
+        done = subprocess.run(
+            [sys.executable, "-c", SAVE_AND_PUSH, str(checkpoint_dir), str(tmp_path / "saved")],
+            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+        )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (commit,) = hub.commits
+    assert (commit.repo_id, commit.summary) == ("me/pushed", "push from save")
+    saved = files_in(tmp_path / "saved")
+    assert "custom_generate/generate.py" in saved and saved.items() <= commit.files.items()
