@@ -337,6 +337,10 @@ def test_interrupted_regeneration_resumes_to_the_uninterrupted_rows(taught_targe
 
         mix = load_training_rows([out, tmp_path / "reference"], [2, 0])
         assert list(mix["input_ids"]) == list(first_two["input_ids"]) + list(reference["input_ids"])
+        # and beside plain rows (JSONL: int64 tokens, where a regenerated folder stores int32/int8)
+        reference.select_columns(["input_ids", "loss_mask"]).to_json(tmp_path / "rows.jsonl")
+        mix = load_training_rows([out, tmp_path / "rows.jsonl"], [2, 0])
+        assert list(mix["loss_mask"]) == list(first_two["loss_mask"]) + list(reference["loss_mask"])
         with pytest.raises(ValueError, match="2 of 4 shards are missing"):
             load_training_rows([out, tmp_path / "reference"], [0, 0])
         calls.clear()
@@ -554,6 +558,8 @@ def test_rows_without_an_anchor_are_dropped_with_a_warning(caplog):
     assert "Dropped 2 of 3 rows" in caplog.text
     with pytest.raises(ValueError, match="None of the 3 rows"):
         prepare_rows(rows, max_seq_length=3)
+    with pytest.raises(ValueError, match=r"1 rows have a loss_mask of another length than their input_ids \(first: row 1\)"):
+        prepare_rows(Dataset.from_list([rows[0], {"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1]}]), 16)
     # a batch of what is kept always anchors a block (a kept one-token-turn row stopped training midway)
     from trainer.carryover_trainer import pad_collator
     from trainer.objectives import sample_anchors

@@ -212,6 +212,10 @@ def test_one_features_folder_per_dataset_reads_as_one(setup, tmp_path):
     extract((target, rows.select(range(7, 10)), drafter, layer_ids[:1]), tmp_path / "fewer")
     with pytest.raises(ValueError, match="fewer and .*fa hold features of different layer_ids"):
         rows_with_features(datasets, None, [folders[0], str(tmp_path / "fewer")], MAX_LENGTH)
+    bf16_target = make_target("llama").to(torch.bfloat16)  # its weights' bf16 fingerprint is the float32 target's
+    extract((bf16_target, rows.select(range(7, 10)), drafter, layer_ids), tmp_path / "bf16-target")
+    with pytest.raises(ValueError, match="bf16-target and .*fa hold features of different target_dtype"):
+        rows_with_features(datasets, None, [folders[0], str(tmp_path / "bf16-target")], MAX_LENGTH)
     target.save_pretrained(tmp_path / "target")
     trained = run_main(
         ["--target", str(tmp_path / "target"), "--dataset", *datasets, "--features", *folders, "--num_draft_layers",
@@ -242,6 +246,12 @@ def test_a_stale_or_foreign_cache_is_refused(setup, tmp_path):
         extract(setup, tmp_path / "features", torch.float16)
     with pytest.raises(ValueError, match="different data_fingerprint, num_rows"):
         extract((target, rows.select(range(9)), drafter, layer_ids), tmp_path / "features", torch.bfloat16)
+    # layers the target lacks, or no rows: refused before anything is written
+    with pytest.raises(ValueError, match=r"target_layer_ids \[10\] out of range: the target has 4 decoder layers"):
+        extract((target, rows, drafter, [1, 10]), tmp_path / "bad-layers")
+    with pytest.raises(ValueError, match="the dataset is empty"):
+        extract((target, rows.select([]), drafter, layer_ids), tmp_path / "no-rows")
+    assert not (tmp_path / "bad-layers").exists() and not (tmp_path / "no-rows").exists()
     # the Trainer refuses a drafter needing a layer that is not stored, and rows without their feature index
     dflash = make_drafter(target, target_layer_ids=[0, 1])
     with pytest.raises(ValueError, match="other layers"):

@@ -713,7 +713,7 @@ def test_speculators_own_forward_matches_the_import(target, tmp_path):
             h = layer(target_hidden=context, hidden_states=h, attention_mask=masks[layer_type], position_embeddings=rope)
         theirs = target.lm_head(rms_norm(h, weights["norm.weight"])).view(len(anchors), BLOCK_SIZE, -1)[:, 1:]
         batch = Batch(sequence, torch.ones_like(sequence), torch.ones_like(sequence), features, None)
-        hidden = drafter_hidden(drafter, target.get_input_embeddings(), batch, anchors[None], torch.ones(1, len(anchors), dtype=torch.bool))
+        hidden = drafter_hidden(drafter, target.get_input_embeddings(), batch, anchors[None])
     torch.testing.assert_close(target.lm_head(hidden)[0], theirs, atol=1e-5, rtol=1e-4)
 
 
@@ -733,9 +733,9 @@ def test_sliding_window_training_logits_equal_decoding_logits(target):
     carried = (torch.randn(1, 3, R, drafter.config.feature_size), anchors.unsqueeze(-1) + torch.arange(R), torch.ones(1, 3, R, dtype=torch.bool))
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     with torch.no_grad():
-        training = lm_head(drafter_hidden(drafter, embed, batch, anchors, torch.ones_like(anchors, dtype=torch.bool), carried))
+        training = lm_head(drafter_hidden(drafter, embed, batch, anchors, carried))
         drafter.set_attn_implementation("flex_attention")
-        flex = lm_head(drafter_hidden(drafter, embed, batch, anchors, torch.ones_like(anchors, dtype=torch.bool), carried))
+        flex = lm_head(drafter_hidden(drafter, embed, batch, anchors, carried))
         drafter.set_attn_implementation("eager")
         for n, a in enumerate(anchors[0].tolist()):
             cache, half = DynamicCache(), a // 2

@@ -49,8 +49,11 @@ def test_cli_trains_a_checkpoint_that_decodes(tiny_setup, tmp_path):
     assert {"config.json", "model.safetensors", "modeling_carryover.py", "custom_generate", TRAINING_SETTINGS_FILE} <= files
     record = json.loads((out / TRAINING_SETTINGS_FILE).read_text())
     assert record["torch_threads"] == 2  # --threads, over OMP_NUM_THREADS
-    assert record["inputs"] == {  # what the run read, for the model card
-        "dataset": [str(root / "data")], "dataset_shards": None, "features": None, "drafter_checkpoint": None,
+    from datasets import load_from_disk
+
+    assert record["inputs"] == {  # what the run read, for the model card (and a resumed run's check)
+        "dataset": [str(root / "data")], "dataset_shards": None, "num_rows": len(load_from_disk(str(root / "data"))),
+        "features": None, "drafter_checkpoint": None,
     }
     drafter = mc.CarryoverDrafterModel.from_pretrained(out)
     assert drafter.config.carryover is False  # a baseline checkpoint decodes without carryover by default
@@ -58,6 +61,20 @@ def test_cli_trains_a_checkpoint_that_decodes(tiny_setup, tmp_path):
     expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
     out_ids = target.generate(prompt, assistant_model=drafter, custom_generate=str(out), trust_remote_code=True, max_new_tokens=20)
     assert torch.equal(out_ids, expected)
+
+
+def test_a_resumed_run_refuses_other_training_rows(tiny_setup, tmp_path):
+    """The Trainer skips a resumed run's seen batches by position: other rows (a regeneration grown in between, other
+    shard counts) would repeat some and skip others, so the run stops before training; the same rows resume."""
+    root, _ = tiny_setup
+    out = tmp_path / "run"
+    run_main(cli_args(root, out, "--max_steps", "2", "--save_steps", "2"))
+    grown = cli_args(root, out, "--max_steps", "4", "--save_steps", "2", "--resume_from_checkpoint", "latest")
+    grown[grown.index("--dataset") + 1 : grown.index("--dataset") + 2] = [str(root / "data"), str(root / "data")]
+    with pytest.raises(SystemExit, match="checkpoint-2 was trained on other inputs .dataset: .* num_rows: "):
+        run_main(grown)
+    resumed = run_main(cli_args(root, out, "--max_steps", "4", "--save_steps", "2", "--resume_from_checkpoint", "latest"))
+    assert resumed.state.global_step == 4
 
 
 def test_continue_a_baseline_with_carryover_and_the_control(tiny_setup, tmp_path):
@@ -144,6 +161,20 @@ def torchrun(root, weights_dir, port, *extra, env=None):
     assert result.returncode == 0, result.stdout[-1500:] + result.stderr[-3000:]
     assert "world 2" in result.stdout
     return result.stdout
+
+
+def test_torchrun_refuses_to_regenerate_in_every_process(tiny_setup, tmp_path):
+    """--prompts under torchrun would have every rank write the same shards: refused before anything is written."""
+    root, _ = tiny_setup
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29525",
+        "trainer/run.py", "--target", str(root / "target"), "--prompts", "magpie", "--num_prompts", "4",
+        "--data_dir", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"), "--use_cpu", "--report_to", "none",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "--prompts regenerates in one process" in result.stderr
+    assert not (tmp_path / "data").exists()
 
 
 def assert_trained(initial_path, trained):

@@ -146,10 +146,10 @@ def test_flex_attention_equals_the_dense_path(carry_gate):
     )
     embed = target.get_input_embeddings()
     with torch.no_grad():
-        dense = [drafter_hidden(drafter, embed, batch, anchors, valid, c) for c in (None, carried)]
+        dense = [drafter_hidden(drafter, embed, batch, anchors, c) for c in (None, carried)]
         drafter.set_attn_implementation("flex_attention")
         assert drafter.config._attn_implementation == "flex_attention"
-        flex = [drafter_hidden(drafter, embed, batch, anchors, valid, c) for c in (None, carried)]
+        flex = [drafter_hidden(drafter, embed, batch, anchors, c) for c in (None, carried)]
         flex_output = mc.generate(target, sequences[:1, :5], assistant_model=drafter, max_new_tokens=20, carryover=True)
         drafter.set_attn_implementation("eager")
         dense_output = mc.generate(target, sequences[:1, :5], assistant_model=drafter, max_new_tokens=20, carryover=True)
@@ -333,7 +333,7 @@ def test_training_logits_equal_decoding_logits(markov_rank):
 
     with torch.no_grad():
         for rows in (carried, None):  # with and without carried rejected rows
-            training = lm_head(drafter_hidden(drafter, embed, batch, anchors, valid, rows))  # [1, 3, c, V]
+            training = lm_head(drafter_hidden(drafter, embed, batch, anchors, rows))  # [1, 3, c, V]
             for n, a in enumerate(anchors[0].tolist()):
                 cache, half = DynamicCache(), a // 2
                 block_ids, block_positions = drafter.block_inputs(sequence[:, a], torch.tensor([a]))
@@ -454,7 +454,7 @@ def test_accepted_length_follows_the_record_where_greedy_verification_disagrees(
     anchors, valid = torch.tensor([[10]]), torch.tensor([[True]])
     with torch.no_grad():
         batch, _ = _batch_of(target, drafter, sequence)
-        drafts = drafter.draft_tokens(lm_head(drafter_hidden(drafter, embed, batch, anchors, valid)), sequence[0, 10])
+        drafts = drafter.draft_tokens(lm_head(drafter_hidden(drafter, embed, batch, anchors)), sequence[0, 10])
     sequence[0, 11:14] = drafts[0, 0]  # a record that says the drafts were generated (and context < 10 is unchanged)
     batch, recorded = _batch_of(target, drafter, sequence)
     transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=4)
@@ -477,7 +477,7 @@ def test_first_draft_of_training_equals_decoding_proposal():
     valid = torch.ones_like(anchors, dtype=torch.bool)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     with torch.no_grad():
-        hidden = drafter_hidden(drafter, embed, batch, anchors, valid)
+        hidden = drafter_hidden(drafter, embed, batch, anchors)
         drafts = drafter.draft_tokens(lm_head(hidden), sequence[0, anchors[0]][None])
     assert drafts[0].tolist() == [r.drafts for r in rounds]
     transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=2)
@@ -614,10 +614,10 @@ def test_carry_embedding_moves_and_is_used():
     transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=8)
     carried = (transition.carried[0], transition.carried[1], torch.ones_like(transition.carried[2]))
     with torch.no_grad():
-        marked = drafter_hidden(drafter, embed, batch, transition.shifted_anchor_positions, valid, carried)
+        marked = drafter_hidden(drafter, embed, batch, transition.shifted_anchor_positions, carried)
         saved = drafter.carry_embedding.clone()
         drafter.carry_embedding.zero_()
-        unmarked = drafter_hidden(drafter, embed, batch, transition.shifted_anchor_positions, valid, carried)
+        unmarked = drafter_hidden(drafter, embed, batch, transition.shifted_anchor_positions, carried)
         drafter.carry_embedding.copy_(saved)
     assert (marked - unmarked).abs().max() > 1e-3
 
@@ -656,6 +656,9 @@ def test_first_pass_loss_weight_adds_the_baseline_loss_at_the_same_anchors(marko
     for bad in ({"carryover": False, "first_pass_loss_weight": 0.5}, {"carryover": True, "first_pass_loss_weight": -1.0}):
         with pytest.raises(ValueError, match="first_pass_loss_weight"):
             train_drafter(target, drafter, dataset, epochs=1, **bad)
+    for name in ("num_anchors", "verify_chunk_size"):  # zero would fail later with a misleading error
+        with pytest.raises(ValueError, match=f"{name} must be at least 1, got 0"):
+            train_drafter(target, drafter, dataset, epochs=1, carryover=True, **{name: 0})
 
 
 def test_carry_rows_false_trains_the_shifted_anchors_without_rows():
@@ -687,7 +690,7 @@ def test_carry_rows_false_trains_the_shifted_anchors_without_rows():
     with torch.no_grad():
         transition = draft_verify(drafter, target, embed, lm_head, batch, recorded, anchors, valid, chunk_size=64)
         shifted, shifted_valid = transition.shifted_anchor_positions, transition.shifted_anchor_valid
-        hidden = drafter_hidden(drafter, embed, batch, shifted, shifted_valid)
+        hidden = drafter_hidden(drafter, embed, batch, shifted)
         expected, _ = block_losses(drafter, lm_head, hidden, *blocks_at(batch, shifted, shifted_valid, 3), settings)
     torch.testing.assert_close(without_rows, expected)
     assert metrics["first_draft_accepted"] == rows_metrics["first_draft_accepted"]
@@ -904,7 +907,7 @@ def assert_training_transition_reproduces_decoding(target, drafter, dataset):
             assert transition.shifted_anchor_positions.item() == following.anchor_position
             assert transition.carried[2].sum().item() == following.carried
             with torch.no_grad():
-                hidden = drafter_hidden(drafter, embed, batch, transition.shifted_anchor_positions, valid, transition.carried)
+                hidden = drafter_hidden(drafter, embed, batch, transition.shifted_anchor_positions, transition.carried)
                 logits = drafter.draft_logits(lm_head, hidden[0, 0, : following.proposed])
                 drafts = drafter.draft_tokens(logits, sequence[0, following.anchor_position])
             assert drafts.tolist() == following.drafts

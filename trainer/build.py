@@ -5,12 +5,13 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow.compute as pc
 import torch
 from datasets import Dataset, concatenate_datasets
 
 from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
 
-from .data import MANIFEST, load_regenerated, load_rows
+from .data import MANIFEST, TOKEN_FEATURES, load_regenerated, load_rows
 from .objectives import anchor_eligible
 
 FEATURE_INDEX = "feature_index"  # the column that points a training row at its stored features (trainer.features)
@@ -232,7 +233,11 @@ def shard_counts(paths: list, num_shards: int | list[int] | None) -> list[int]:
 def concatenate_rows(parts: list[Dataset]) -> Dataset:
     """Several datasets' rows in order, with the columns they all have (one data mix of separately made sources)."""
     common = [c for c in parts[0].column_names if all(c in part.column_names for part in parts)]
-    return concatenate_datasets([part.select_columns(common) for part in parts])
+    parts = [part.select_columns(common) for part in parts]
+    # regenerated folders store int32/int8 tokens, JSONL or Parquet rows int64: one type, or the parts do not align
+    for name in set(TOKEN_FEATURES) & set(common):
+        parts = [part if part.features[name] == TOKEN_FEATURES[name] else part.cast_column(name, TOKEN_FEATURES[name]) for part in parts]
+    return concatenate_datasets(parts)
 
 
 def load_training_rows(paths: str | Path | list, num_shards: int | list[int] | None = None) -> Dataset:
@@ -265,6 +270,13 @@ def prepare_rows(dataset: Dataset, max_seq_length: int) -> Dataset:
     if len(dataset) == 0:
         raise ValueError("The training dataset is empty.")
     dataset = dataset.select_columns([c for c in ("input_ids", "loss_mask", FEATURE_INDEX) if c in dataset.column_names])
+    columns = dataset.select_columns(["input_ids", "loss_mask"]).with_format("arrow")[:]
+    unequal = pc.not_equal(pc.list_value_length(columns["input_ids"]), pc.list_value_length(columns["loss_mask"]))
+    if pc.any(unequal).as_py():
+        raise ValueError(
+            f"{pc.sum(unequal).as_py()} rows have a loss_mask of another length than their input_ids (first: row "
+            f"{pc.index(unequal, True).as_py()}): each token needs its 0/1 mask entry."
+        )
     dataset = dataset.map(
         lambda row: {"input_ids": row["input_ids"][:max_seq_length], "loss_mask": row["loss_mask"][:max_seq_length]}
     )

@@ -147,6 +147,9 @@ class CarryoverTrainer(Trainer):
         self.args.remove_unused_columns = False  # loss_mask is not a drafter forward argument
         self.carryover_args = carryover_args or CarryoverArguments()
         self.inputs_record = inputs_record
+        for name in ("num_anchors", "verify_chunk_size"):
+            if getattr(self.carryover_args, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self.carryover_args, name)}.")
         weight = self.carryover_args.first_pass_loss_weight
         if weight < 0 or (weight > 0 and not self.carryover_args.carryover):
             raise ValueError(

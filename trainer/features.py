@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from modeling_carryover.configuration_carryover import default_target_layer_ids
+from modeling_carryover.configuration_carryover import check_target_layer_ids, default_target_layer_ids
 from modeling_carryover.modeling_carryover import hidden_state_request, layer_outputs
 from trainer.build import FEATURE_INDEX, concatenate_rows, load_training_rows, shard_counts
 from trainer.cli import parse_arguments
@@ -51,7 +51,7 @@ FEATURES_FORMAT = "carryover-features-v1"
 # fingerprint, not its name or path).
 NOT_RESUME_KEYS = ("target", "versions", "batch_size")
 # What the features folders of several datasets, read as one, must share.
-SHARED_KEYS = ("target_fingerprint", "num_target_layers", "hidden_size", "layer_ids", "dtype")
+SHARED_KEYS = ("target_fingerprint", "target_dtype", "num_target_layers", "hidden_size", "layer_ids", "dtype")
 
 
 @dataclass
@@ -184,6 +184,9 @@ def extract_features(
     the module docstring); return the opened `TargetFeatures`. `target_name` (default: `target.name_or_path`) is the
     target's name recorded in the manifest; its identity is the weights fingerprint."""
     layer_ids = sorted(set(int(i) for i in layer_ids))
+    check_target_layer_ids(layer_ids, target.config.get_text_config(decoder=True).num_hidden_layers)
+    if len(rows) == 0:
+        raise ValueError("No rows to extract features for: the dataset is empty.")
     manifest = {
         "format": FEATURES_FORMAT,
         **_target_identity(target, target_name),
@@ -327,7 +330,7 @@ class DatasetsFeatures(TargetFeatures):
             if differs:
                 raise ValueError(
                     f"{part.path} and {first.path} hold features of different {', '.join(differs)}: extract every "
-                    "dataset's features with the same target, layers and dtype."
+                    "dataset's features with the same target (and target dtype), layers and dtype."
                 )
         self.parts, self.path, self.manifest, self.layer_ids = parts, first.path, first.manifest, first.layer_ids
         self.starts = np.cumsum([0] + [len(part) for part in parts]).tolist()

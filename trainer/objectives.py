@@ -88,8 +88,9 @@ class Batch:
     target_final_hidden: torch.Tensor | None  # [S, T, d] target's final hidden states (Markov objectives)
 
 
-def drafter_hidden(drafter, embed_tokens, batch: Batch, anchor_positions, anchor_valid, carried=None):
-    """All blocks of a batch in one drafter forward. carried: (features [S,N,R,F], position ids, mask) or None.
+def drafter_hidden(drafter, embed_tokens, batch: Batch, anchor_positions, carried=None):
+    """All blocks of a batch in one drafter forward (invalid anchors too: the loss gives them no weight). carried:
+    (features [S,N,R,F], position ids, mask) or None.
     -> hidden states of the draft slots [S, N, c, d]"""
     anchor_ids = torch.gather(batch.input_ids, 1, anchor_positions)
     block_ids, block_position_ids = drafter_module(drafter).block_inputs(anchor_ids, anchor_positions)
@@ -272,7 +273,7 @@ def draft_verify(
     num_slots = module.config.block_size - 1
     with record_function("carryover.first_draft"):
         if hidden is None:
-            hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid)
+            hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions)
         hidden = hidden.detach()
         anchor_ids = torch.gather(batch.input_ids, 1, anchor_positions)
         drafts = torch.cat(  # the LM head a chunk of anchors at a time: [S, N, c, V] logits never exist at once
@@ -353,7 +354,7 @@ def training_step_loss(
     carried, first_loss, first_hidden = None, None, None
     if carryover and settings.first_pass_weight > 0:  # also train the first pass: drafting without carried rows
         with record_function("carryover.first_pass_loss"):
-            first_hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid)
+            first_hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions)
             first_blocks = blocks_at(batch, anchor_positions, anchor_valid, num_slots)
             first_loss, first_metrics = block_losses(drafter, lm_head, first_hidden, *first_blocks, settings)
         metrics |= {"first_pass_" + name: value for name, value in first_metrics.items()}
@@ -382,7 +383,7 @@ def training_step_loss(
             transition.carried if carry_rows else None,
         )
     with record_function("carryover.drafter_loss"):  # the baseline pass, or carryover's second pass
-        hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, anchor_valid, carried)
+        hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions, carried)
         labels, label_valid, prev_token_ids, target_hidden = blocks_at(batch, anchor_positions, anchor_valid, num_slots)
         loss, loss_metrics = block_losses(drafter, lm_head, hidden, labels, label_valid, prev_token_ids, target_hidden, settings)
     if first_loss is not None:

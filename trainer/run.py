@@ -21,18 +21,21 @@ TrainingArguments (output_dir, epochs, learning rate, resume_from_checkpoint, ..
 and load and decode like any drafter folder (remote code + custom_generate/).
 """
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 if __package__ in (None, ""):  # `python trainer/run.py`: make the project importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 from transformers import TrainingArguments, set_seed
+from transformers.trainer_utils import get_last_checkpoint
 
 from trainer.build import DrafterArguments, build_drafter, load_training_rows, prepare_rows
-from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer
+from trainer.carryover_trainer import TRAINING_SETTINGS_FILE, CarryoverArguments, CarryoverTrainer
 from trainer.cli import parse_arguments
 from trainer.features import rows_with_features
 from trainer.regenerate import RegenerationArguments, regenerate_from_args
@@ -83,13 +86,19 @@ def main(argv=None):
     if training_args.bf16 and training_args.device.type == "cpu":
         warn_if_cpu_bf16_is_slow("The drafter's training step (--bf16 true)", "--bf16 false")
     regenerating = not data_args.dataset
-    target, tokenizer = load_target(
-        target_args.target,
-        adapter=target_args.target_adapter,
-        dtype=target_args.torch_dtype,
-        device=default_device() if regenerating else None,  # the Trainer places it for training
-        tokenizer=regenerating,
-    )
+    if regenerating and training_args.world_size > 1:
+        raise SystemExit(
+            "--prompts regenerates in one process: run `python -m trainer.regenerate` (or trainer/run.py without "
+            "torchrun) first, then train on its folder with --dataset."
+        )
+    with training_args.main_process_first(desc="loading the target"):  # a cold cache converts the embedded GGUF once
+        target, tokenizer = load_target(
+            target_args.target,
+            adapter=target_args.target_adapter,
+            dtype=target_args.torch_dtype,
+            device=default_device() if regenerating else None,  # the Trainer places it for training
+            tokenizer=regenerating,
+        )
 
     features = None
     if regenerating:
@@ -106,6 +115,13 @@ def main(argv=None):
         split = rows.train_test_split(test_size=data_args.eval_rows, seed=training_args.seed)
         rows, eval_rows = split["train"], split["test"]
 
+    inputs_record = {
+        "dataset": data_args.dataset or [regeneration_args.data_dir],
+        "dataset_shards": data_args.dataset_shards,
+        "num_rows": len(rows),
+        "features": data_args.features,
+        "drafter_checkpoint": drafter_args.drafter_checkpoint,
+    }
     set_seed(training_args.seed)  # the same new drafter on every rank (FSDP shards each rank's own values)
     drafter = build_drafter(target, drafter_args, rows)
     trainer = CarryoverTrainer(
@@ -116,19 +132,33 @@ def main(argv=None):
         target_model=target,
         carryover_args=carryover_args,
         target_features=features,
-        inputs_record={
-            "dataset": data_args.dataset or [regeneration_args.data_dir],
-            "dataset_shards": data_args.dataset_shards,
-            "features": data_args.features,
-            "drafter_checkpoint": drafter_args.drafter_checkpoint,
-        },
+        inputs_record=inputs_record,
     )
     resume = training_args.resume_from_checkpoint
+    if resume:
+        check_resumed_inputs(resume, training_args.output_dir, inputs_record)
     trainer.train(resume_from_checkpoint=True if resume in ("true", "latest") else resume)
     trainer.save_model(training_args.output_dir)
     if eval_rows is not None:
         trainer.evaluate()
     return trainer
+
+
+def check_resumed_inputs(resume: str, output_dir: str, inputs_record: dict) -> None:
+    """A resumed run must read what its checkpoint was trained on: the Trainer skips the batches already seen by
+    position, so other rows (e.g. a regeneration grown in between) would repeat some rows and never show others."""
+    checkpoint = get_last_checkpoint(output_dir) if resume in ("true", "latest") else resume
+    settings = Path(checkpoint or "", TRAINING_SETTINGS_FILE)
+    if checkpoint is None or not settings.exists():
+        return  # the Trainer says what is missing; a checkpoint from before the record was kept has none to compare
+    recorded = json.loads(settings.read_text()).get("inputs", {})
+    changed = {key: (recorded[key], value) for key, value in inputs_record.items() if key in recorded and recorded[key] != value}
+    if changed:
+        details = "; ".join(f"{key}: {old} then, {new} now" for key, (old, new) in changed.items())
+        raise SystemExit(
+            f"{checkpoint} was trained on other inputs ({details}): resuming would repeat some rows and skip others. "
+            "Resume with the same data (e.g. its --dataset_shards), or train into a new --output_dir."
+        )
 
 
 def end_distributed():

@@ -37,11 +37,16 @@ if [ ! -f "$DATA/regeneration.json" ] && [ "$PROMPTS" = "$SHIPPED/data-gpu/code-
 fi
 sources=(--prompts "$PROMPTS" --num_prompts "$num_code")
 [ "$MAGPIE" -gt 0 ] && sources=(--prompts magpie "$PROMPTS" --num_prompts "$MAGPIE" "$num_code")
+# Not while its drafter is under way: a resumed training run must read the rows it started on (run.py checks).
 limit=()
 [ "$REGEN_S" -gt 0 ] && limit=(timeout "$REGEN_S")
-"${limit[@]}" python -m trainer.regenerate --target "$TARGET" --data_dir "$DATA" "${sources[@]}" \
-  --magpie_max_new_tokens 64 --max_new_tokens 256 --generation_batch_size "$GEN_BATCH" --shard_size 1024 \
-  --target_dtype bfloat16 || { status=$?; [ "$status" -eq 124 ] || exit "$status"; }
+if ls -d "$OUT_DIR"/checkpoint-* >/dev/null 2>&1 && [ ! -f "$OUT_DIR/model.safetensors" ]; then
+  echo "$OUT_DIR is under way: training resumes on the shards it started with"
+else
+  "${limit[@]}" python -m trainer.regenerate --target "$TARGET" --data_dir "$DATA" "${sources[@]}" \
+    --magpie_max_new_tokens 64 --max_new_tokens 256 --generation_batch_size "$GEN_BATCH" --shard_size 1024 \
+    --target_dtype bfloat16 || { status=$?; [ "$status" -eq 124 ] || exit "$status"; }
+fi
 shards=$(ls "$DATA"/shard-*.parquet | wc -l)
 echo "regenerated: $shards shards in $DATA ($SECONDS s)"
 
