@@ -80,6 +80,26 @@ class ForwardTimer:
         return seconds
 
 
+class CallTimer(ForwardTimer):
+    """Wall time spent in calls of the method `owner.name` (wrapped on the instance; CUDA-synchronised): the
+    drafter's `draft_logits`, whose draft-vocabulary head multiplies the head's rows without calling the module."""
+
+    def __init__(self, owner, name, device):
+        self.seconds = 0.0
+        method = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            _synchronize(device)
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                _synchronize(device)
+                self.seconds += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+
 def benchmark_drafter(args, target, dtype):
     """A new random drafter, or a checkpoint, made in `dtype` as `load_drafter` makes it (RoPE buffers stay fp32)."""
     if args.drafter == "new":
@@ -100,8 +120,9 @@ def main(argv=None):
     drafter = benchmark_drafter(args, target, dtype)
     prompts = load_benchmark(args.benchmark, subsets=[args.subset], limit=args.num_prompts)[args.subset]
     target_timer, drafter_timer = ForwardTimer(target), ForwardTimer(drafter)
-    # the drafter's logits and block embeddings come from the target's LM head and embedding, called directly
-    head_timers = [ForwardTimer(m, outside=target_timer) for m in (target.get_output_embeddings(), target.get_input_embeddings())]
+    # the drafter's logits and block embeddings come from the target's LM head (or its draft-vocabulary rows) and
+    # embedding, called directly
+    head_timers = [CallTimer(drafter, "draft_logits", device), ForwardTimer(target.get_input_embeddings(), outside=target_timer)]
 
     modes = {"plain": None, "carryover_on": True, "carryover_off": False}
     totals = {mode: defaultdict(float) for mode in modes}

@@ -70,7 +70,9 @@ def hub_subsets(dataset_id: str) -> dict[str, list[str]]:
 
 
 def load_benchmark(source: str = EMBEDDED, subsets: list[str] | None = None, limit: int | None = None) -> dict:
-    """Prompts per subset: {subset: [prompt, ...]}, each subset cut to its first `limit` prompts."""
+    """Prompts per subset: {subset: [prompt, ...]}, each subset cut to its first `limit` prompts (None: all)."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be at least 1 prompt per subset (unset: all of them), got {limit}.")
     if source in (None, "", EMBEDDED):
         available = embedded_subsets()
     elif Path(source).is_dir():
@@ -88,7 +90,7 @@ def load_benchmark(source: str = EMBEDDED, subsets: list[str] | None = None, lim
     empty = [name for name, prompts in available.items() if not prompts]
     if empty:
         raise ValueError(f"Benchmark {source!r}: subset(s) {empty} have no prompts.")
-    return {name: prompts[:limit] if limit else prompts for name, prompts in available.items()}
+    return {name: prompts[:limit] for name, prompts in available.items()}
 
 
 def encode_prompt(tokenizer, prompt: str) -> dict:

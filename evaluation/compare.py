@@ -4,9 +4,9 @@
 
 Each run's `records.jsonl.gz` holds every prompt's rounds; a gain pairs the two drafters prompt by prompt (the same
 subset, temperature, index and prompt hash) and gets `run.py`'s paired bootstrap interval. Pairing across runs is only
-sound where the runs decoded alike: a drafter recorded in more than one run (the usual control) must have the same
-rounds in each, at every prompt both hold (T=0 decoding is deterministic), or the comparison is refused; drafters
-no gain names are not read.
+sound where the runs decoded alike: they must share the target and `max_new_tokens`, and a named drafter recorded in
+more than one run (the usual control) must have the same weights and the same rounds in each, at every prompt both
+hold (T=0 decoding is deterministic), or the comparison is refused; drafters no gain names are not read.
 """
 
 import sys
@@ -26,14 +26,33 @@ class CompareArguments:
     gains: list[str] = field(metadata={"help": "NAME=REFERENCE pairs of drafters recorded in the runs."})
 
 
+# Settings that define what a prompt's tau measures: runs that differ in them are not paired.
+PAIRED_SETTINGS = ("target", "max_new_tokens")
+
+
 def prompt_rounds(runs: list[str], names: set[str]) -> dict:
-    """{drafter: {(subset, temperature, index, prompt hash): accepted list}} for the named drafters over all runs; a
-    named drafter recorded in several runs must agree wherever they share a prompt. Other drafters are not read, so
-    two runs may each hold a different drafter under one name (e.g. `adapter`) that no gain names."""
-    recorded = {}
+    """{drafter: {(subset, temperature, index, prompt hash): accepted list}} for the named drafters over all runs; the
+    runs must share the target and `max_new_tokens`, and a named drafter recorded in several runs must have the same
+    weights and agree wherever they share a prompt. Other drafters are not read, so two runs may each hold a
+    different drafter under one name (e.g. `adapter`) that no gain names."""
+    recorded, first_identity, weights = {}, None, {}
     for run in runs:
         path = Path(run) / RunRecords.FILE
-        for record in read_records(path)[1:]:  # the first line is the run's identity
+        identity, *records = read_records(path)  # the first line is the run's identity
+        first_identity = first_identity or (path, identity)
+        differs = [key for key in PAIRED_SETTINGS if identity.get(key) != first_identity[1].get(key)]
+        if differs:
+            raise ValueError(
+                f"{path} and {first_identity[0]} were decoded with different {', '.join(differs)}: their prompts' tau "
+                "measure different things and cannot be paired."
+            )
+        for name, recorded_weights in identity.get("drafters", {}).items():
+            if name in names and weights.setdefault(name, (path, recorded_weights))[1] != recorded_weights:
+                raise ValueError(
+                    f"{name} in {path} is another drafter than {name} in {weights[name][0]} (weights fingerprint or "
+                    "carryover setting): give them different names."
+                )
+        for record in records:
             key = (record["subset"], record["temperature"], record["index"], record["prompt"])
             for name, result in record["methods"].items():
                 accepted = result.get("rounds", {}).get("accepted")

@@ -93,11 +93,9 @@ def check_pair(draft_hf_config, target_hf_config, num_speculative_tokens: int) -
         block_size=draft_hf_config.block_size,
     )
     drafter.check_target(target_hf_config)  # sizes and layers: one definition with `generate`
-    wanted = draft_hf_config.dflash_config.get("target_model_type")
-    if wanted is not None and wanted != target_hf_config.get_text_config().model_type:
-        raise ValueError(
-            f"This carryover drafter was trained for a {wanted!r} target, not {target_hf_config.model_type!r}."
-        )
+    wanted, model_type = draft_hf_config.dflash_config.get("target_model_type"), target_hf_config.get_text_config().model_type
+    if wanted is not None and wanted != model_type:
+        raise ValueError(f"This carryover drafter was trained for a {wanted!r} target, not {model_type!r}.")
     if num_speculative_tokens != drafter.block_size - 1:
         raise ValueError(
             f"This carryover drafter proposes block_size - 1 = {drafter.block_size - 1} tokens, as in training and "

@@ -108,6 +108,8 @@ def test_folder_benchmark_subsets_and_limit(tmp_path):
     limited = load_benchmark(str(folder), subsets=["beta", "alpha"], limit=1)
     assert list(limited) == ["beta", "alpha"] and all(len(p) == 1 for p in limited.values())
     assert limited["alpha"][0] == benchmark["alpha"][0]
+    with pytest.raises(ValueError, match="limit must be at least 1 prompt per subset .unset: all of them., got 0"):
+        load_benchmark(str(folder), limit=0)  # not "all": hours of decoding on a CPU
 
 
 def test_embedded_benchmark_is_humaneval():
@@ -494,11 +496,14 @@ def test_confident_drafts_stay_lossless_and_are_recorded(workspace, tmp_path):
         run.main(argv + ["--resume", "true"])
 
 
-def write_records(folder, prompts):
-    """A records.jsonl.gz as run.py writes it: the identity line, then one record per prompt ({drafter: accepted})."""
+def write_records(folder, prompts, **identity):
+    """A records.jsonl.gz as run.py writes it: the identity line (each drafter's weights named after it unless
+    `identity` says otherwise), then one record per prompt ({drafter: accepted})."""
     folder.mkdir()
+    drafters = {name: [f"weights of {name}", False] for name in set().union(*prompts)}
+    identity = {"target": "tiny", "drafters": drafters, "max_new_tokens": 8, "threads": str(folder)} | identity
     with gzip.open(folder / run.RunRecords.FILE, "wt", encoding="utf-8") as file:
-        file.write(json.dumps({"target": str(folder)}) + "\n")
+        file.write(json.dumps(identity) + "\n")
         for index, accepted in enumerate(prompts):
             methods = {"plain": {"tokens": 8}, **{name: {"rounds": {"accepted": a}} for name, a in accepted.items()}}
             record = {"subset": "code", "temperature": 0.0, "index": index, "prompt": f"hash{index}", "methods": methods}
@@ -532,3 +537,11 @@ def test_compare_pairs_drafters_of_two_runs_by_hand(tmp_path):
     assert z_vs_y["prompts"] == 2 and z_vs_y["tau"] == 2.5 and math.isclose(z_vs_y["reference_tau"], 4 / 3)
     with pytest.raises(SystemExit, match="not in the runs' records"):
         compare(["--runs", first, "--gains", "x=z"])
+    # runs decoded with another target or token budget are not paired; nor two drafters that share a name only
+    for setting, value in (("target", "another"), ("max_new_tokens", 16)):
+        other = write_records(tmp_path / f"other-{setting}", [{"y": [0, 0]}, {"y": [1]}], **{setting: value})
+        with pytest.raises(SystemExit, match=f"were decoded with different {setting}"):
+            compare(["--runs", first, other, "--gains", "x=y"])
+    renamed = write_records(tmp_path / "renamed", [{"y": [0, 0]}, {"y": [1]}], drafters={"y": ["other weights", False]})
+    with pytest.raises(SystemExit, match="y in .*renamed.* is another drafter than y in"):
+        compare(["--runs", second, renamed, "--gains", "x=y"])
