@@ -122,6 +122,9 @@ def test_eos_inside_a_block(carryover):
     )
     assert torch.equal(out, expected)
     assert out.shape[1] == 6 + eos_index + 1 and out[0, -1].item() == eos
+    # the premise: the last round drafted the EOS and more after it, so the output was cut inside its block
+    last = drafter.generation_stats.rounds[-1]
+    assert eos in last.drafts[:-1], last.drafts
 
 
 class StopAtToken(StoppingCriteria):
