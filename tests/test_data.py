@@ -592,3 +592,26 @@ def test_heldout_prompts_avoid_every_training_prompt(taught_target, tmp_path):
     assert subsets["magpie"] and set(subsets["magpie"]) <= {"name a color", "say nothing"}
     with pytest.raises(ValueError, match="held-out subsets"):
         heldout.main(["--data_dir", str(tmp_path / "data"), "--subsets", "humaneval"])
+
+
+def test_run_regenerates_then_trains_on_the_responses(taught_target, tmp_path):
+    """`trainer/run.py --prompts <file>` (no --dataset): the target's greedy responses are regenerated into --data_dir,
+    then the drafter trains on them, and the run records that folder as its data."""
+    from trainer.run import main as run_main
+
+    target_dir = tmp_path / "target"
+    taught_target.generation_config.update(eos_token_id=IM_END, pad_token_id=PAD)
+    taught_target.save_pretrained(target_dir)
+    TOK.save_pretrained(target_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": user}) + "\n" for user, _ in TAUGHT[:3]))
+    trainer = run_main([
+        "--target", str(target_dir), "--prompts", str(prompts), "--data_dir", str(tmp_path / "data"),
+        "--max_new_tokens", "16", "--shard_size", "2", "--output_dir", str(tmp_path / "out"), "--num_draft_layers", "1",
+        "--block_size", "3", "--num_anchors", "4", "--per_device_train_batch_size", "2", "--max_steps", "2",
+        "--use_cpu", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true",
+    ])
+    rows = load_regenerated(tmp_path / "data")
+    responses = [TOK.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]) for row in rows]
+    assert responses == [f"{answer}<|im_end|>" for _, answer in TAUGHT[:3]]
+    assert trainer.state.global_step == 2 and trainer.inputs_record["dataset"] == [str(tmp_path / "data")]
