@@ -129,3 +129,20 @@ def plot_attention(by_rejected, path):
     axis.set_ylabel("attention on carried rows (%)")
     axis.set_title("Attention to carried rows")
     _save(figure, path)
+
+
+def plot_slot_accuracy(results, drafters, path):
+    """Teacher-forced accuracy by block slot, one panel per response set, one line per drafter."""
+    figure, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.2), squeeze=False, sharey=True)
+    figure.suptitle("Teacher-forced slot accuracy")
+    for axis, (set_name, result) in zip(axes[0], results.items()):
+        for name in drafters:
+            accuracy = result[name]["slot_accuracy"]
+            axis.plot(range(1, len(accuracy) + 1), accuracy, marker="o", label=name)
+        axis.set_xlabel("slot (tokens after the anchor)")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.set_ylim(-0.02, 1.02)
+        axis.set_title(f"{set_name} ({result['rows']} rows)")
+        axis.legend()
+    axes[0][0].set_ylabel("accuracy")
+    _save(figure, path)

@@ -545,3 +545,47 @@ def test_compare_pairs_drafters_of_two_runs_by_hand(tmp_path):
     renamed = write_records(tmp_path / "renamed", [{"y": [0, 0]}, {"y": [1]}], drafters={"y": ["other weights", False]})
     with pytest.raises(SystemExit, match="y in .*renamed.* is another drafter than y in"):
         compare(["--runs", second, renamed, "--gains", "x=y"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Teacher-forced slot accuracy
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_slot_accuracy_is_the_training_steps_accuracy_per_slot(tmp_path):
+    """evaluation/slot_accuracy.py scores rows as a training step does: at the same anchors its per-slot counts add up
+    to the step's `accuracy`; a trained drafter beats a random one on every slot of its own training rows; the report
+    and plot are written; a drafter of another target is refused."""
+    from conftest import trained_drafter
+
+    from evaluation.slot_accuracy import main as slot_accuracy
+    from trainer.build import prepare_rows
+    from trainer.carryover_trainer import pad_collator
+    from trainer.objectives import LossSettings, training_step_loss
+
+    target, drafter, dataset = trained_drafter("llama", 4, 0, carryover=False)
+    target.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "trained")
+    make_drafter(target).save_pretrained(tmp_path / "random")
+    dataset.select(range(8)).save_to_disk(tmp_path / "rows")
+    common = ["--target", str(tmp_path / "target"), "--sets", f"own={tmp_path / 'rows'}", "--rows", "8",
+              "--num_anchors", "16", "--batch_size", "8", "--seed", "3"]
+    report = slot_accuracy([*common, "--drafters", f"trained={tmp_path / 'trained'}", f"random={tmp_path / 'random'}",
+                            "--output_dir", str(tmp_path / "out")])
+    own = report["sets"]["own"]
+    trained, untrained = own["trained"], own["random"]
+    assert own["rows"] == 8 and len(trained["slot_accuracy"]) == 3
+    assert all(a > b for a, b in zip(trained["slot_accuracy"], untrained["slot_accuracy"]))
+
+    rows = prepare_rows(dataset.select(range(8)), 512).shuffle(seed=3)  # the rows and order the tool drew
+    torch.manual_seed(3)
+    with torch.no_grad():
+        _, metrics = training_step_loss(drafter, target, pad_collator(list(rows)), 16, LossSettings(gamma=4.0), carryover=False)
+    correct = sum(a * n for a, n in zip(trained["slot_accuracy"], trained["labels"]))
+    assert math.isclose(correct / sum(trained["labels"]), metrics["accuracy"].item(), abs_tol=1e-3)
+    assert json.loads((tmp_path / "out" / "slot_accuracy.json").read_text())["sets"]["own"]["rows"] == 8
+    assert matplotlib.image.imread(tmp_path / "out" / "slot_accuracy.png").shape[0] > 100
+
+    make_drafter(make_target("llama", vocab_size=128)).save_pretrained(tmp_path / "foreign")
+    with pytest.raises(SystemExit, match="slot_accuracy: .*vocab"):
+        slot_accuracy([*common, "--drafters", f"foreign={tmp_path / 'foreign'}", "--output_dir", str(tmp_path / "x")])

@@ -147,8 +147,8 @@ def target_scored_distribution(module, lm_head, target_hidden):
 
 def slot_terms(module, lm_head, hidden, labels, prev_token_ids, target_probs=None, target_outside_mass=None):
     """Per-slot loss terms of a chunk of blocks, each [S, n, c]: cross-entropy and correctness, plus for the Markov
-    head the L1 distance to the target's distribution (`target_scored_distribution`) and the confidence BCE against
-    clamp(1 - 0.5 L1, 0, 1).
+    head, given the target's side (`target_probs`), the L1 distance to the target's distribution
+    (`target_scored_distribution`) and the confidence BCE against clamp(1 - 0.5 L1, 0, 1).
 
     With a draft vocabulary the logits cover its tokens only: a label outside it gets CE 0 (`block_losses` gives it
     no weight) and counts as not correct; the L1 is over the full vocabulary with q = 0 outside the draft vocabulary,
@@ -161,7 +161,7 @@ def slot_terms(module, lm_head, hidden, labels, prev_token_ids, target_probs=Non
     ce = F.cross_entropy(logits.flatten(0, 2), draft_labels.flatten(), reduction="none", ignore_index=-1)
     ce = ce.view_as(labels)
     correct = (module.to_target_ids(logits.argmax(-1)) == labels).float()
-    if not module.config.markov_rank:
+    if target_probs is None:  # DFlash, or a Markov drafter scored on its corrected logits only
         return ce, correct
     l1 = (logits.softmax(-1) - target_probs).abs().sum(-1) + target_outside_mass  # in [0, 2]
     confidence_target = (1 - 0.5 * l1).clamp(0, 1).detach()
