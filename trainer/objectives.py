@@ -161,7 +161,7 @@ def slot_terms(module, lm_head, hidden, labels, prev_token_ids, target_probs=Non
     ce = F.cross_entropy(logits.flatten(0, 2), draft_labels.flatten(), reduction="none", ignore_index=-1)
     ce = ce.view_as(labels)
     correct = (module.to_target_ids(logits.argmax(-1)) == labels).float()
-    if target_probs is None:  # DFlash, or a Markov drafter scored on its corrected logits only
+    if not module.config.markov_rank or target_probs is None:  # or a Markov drafter scored on its logits only
         return ce, correct
     l1 = (logits.softmax(-1) - target_probs).abs().sum(-1) + target_outside_mass  # in [0, 2]
     confidence_target = (1 - 0.5 * l1).clamp(0, 1).detach()
