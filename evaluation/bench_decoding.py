@@ -49,7 +49,18 @@ class BenchArguments:
     output: str = field(default="outputs/bench_decoding.json")
 
 
-class ForwardTimer:
+class Timer:
+    """Seconds counted by a subclass, read and reset with `take`."""
+
+    seconds = 0.0
+
+    def take(self) -> float:
+        """The seconds counted since the last take."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+class ForwardTimer(Timer):
     """Wall time spent inside a module's forward (hooks; CUDA-synchronised); with `outside`, only the calls made while
     that other timer's module is not running (the target's LM head called by the drafter, not by the target)."""
 
@@ -75,17 +86,12 @@ class ForwardTimer:
         self.calls += 1
         self.active = False
 
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
 
-
-class CallTimer(ForwardTimer):
+class CallTimer(Timer):
     """Wall time spent in calls of the method `owner.name` (wrapped on the instance; CUDA-synchronised): the
     drafter's `draft_logits`, whose draft-vocabulary head multiplies the head's rows without calling the module."""
 
     def __init__(self, owner, name, device):
-        self.seconds = 0.0
         method = getattr(owner, name)
 
         def timed(*args, **kwargs):
