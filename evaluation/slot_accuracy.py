@@ -32,7 +32,7 @@ from modeling_carryover.modeling_carryover import hidden_state_request
 from trainer.build import load_training_rows, prepare_rows
 from trainer.carryover_trainer import pad_collator
 from trainer.cli import parse_arguments
-from trainer.objectives import Batch, blocks_at, drafter_hidden, sample_anchors, slot_terms, training_layer_ids
+from trainer.objectives import batch_with_features, blocks_at, drafter_hidden, sample_anchors, slot_terms, training_layer_ids
 from trainer.targets import load_target
 from trainer.verification import target_pass
 
@@ -75,13 +75,7 @@ def set_accuracy(target, drafters: dict, rows, args) -> dict:
             target, inputs["input_ids"], inputs["attention_mask"], hidden_state_request(layer_ids)
         ).hidden_states
         for name, drafter in drafters.items():
-            batch = Batch(
-                input_ids=inputs["input_ids"],
-                attention_mask=inputs["attention_mask"],
-                loss_mask=inputs["loss_mask"] * inputs["attention_mask"],
-                features=drafter.target_features(hidden_states),
-                target_final_hidden=None,
-            )
+            batch = batch_with_features(drafter, inputs, hidden_states)
             torch.manual_seed(args.seed + start)  # the same anchors for every drafter
             anchor_positions, anchor_valid = sample_anchors(batch.loss_mask, args.num_anchors)
             hidden = drafter_hidden(drafter, embed_tokens, batch, anchor_positions)

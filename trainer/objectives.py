@@ -88,6 +88,22 @@ class Batch:
     target_final_hidden: torch.Tensor | None  # [S, T, d] target's final hidden states (Markov objectives)
 
 
+def batch_with_features(module, batch_inputs, hidden_states) -> Batch:
+    """The padded rows of `batch_inputs` (pad_collator's) with what the drafter reads of the target's layer outputs
+    `hidden_states`: its fused-context features, and for a Markov head the target's final hidden state."""
+    config = module.config
+    final = None
+    if config.markov_rank:
+        final = layer_outputs(hidden_states, [config.num_target_layers - 1], config.num_target_layers)[0]
+    return Batch(
+        input_ids=batch_inputs["input_ids"],
+        attention_mask=batch_inputs["attention_mask"],
+        loss_mask=batch_inputs["loss_mask"] * batch_inputs["attention_mask"],
+        features=module.target_features(hidden_states),
+        target_final_hidden=final,
+    )
+
+
 def drafter_hidden(drafter, embed_tokens, batch: Batch, anchor_positions, carried=None):
     """All blocks of a batch in one drafter forward (invalid anchors too: the loss gives them no weight). carried:
     (features [S,N,R,F], position ids, mask) or None.
@@ -331,9 +347,7 @@ def training_step_loss(
     forward, and carryover runs it only for the K/V cache its verification reads."""
     module = drafter_module(drafter)
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    input_ids, attention_mask, loss_mask = (batch_inputs[k] for k in ("input_ids", "attention_mask", "loss_mask"))
-    markov = module.config.markov_rank > 0
-    num_layers = module.config.num_target_layers
+    input_ids, attention_mask = batch_inputs["input_ids"], batch_inputs["attention_mask"]
     hidden_states = batch_inputs.get("target_hidden_states")  # read from a features cache (trainer.features), or None
     recorded = None
     if hidden_states is None or carryover:  # carryover verifies against the K/V cache of the recorded sequence
@@ -341,13 +355,7 @@ def training_step_loss(
         with record_function("carryover.target_pass"):
             recorded = target_pass(target, input_ids, attention_mask, request, carryover)
         hidden_states = recorded.hidden_states if hidden_states is None else hidden_states
-    batch = Batch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        loss_mask=loss_mask * attention_mask,
-        features=module.target_features(hidden_states),
-        target_final_hidden=layer_outputs(hidden_states, [num_layers - 1], num_layers)[0] if markov else None,
-    )
+    batch = batch_with_features(module, batch_inputs, hidden_states)
     num_slots = module.config.block_size - 1
     anchor_positions, anchor_valid = sample_anchors(batch.loss_mask, num_anchors)
     metrics = {}
@@ -393,6 +401,7 @@ def training_step_loss(
 
 __all__ = [
     "Batch",
+    "batch_with_features",
     "LossSettings",
     "Transition",
     "block_labels",
