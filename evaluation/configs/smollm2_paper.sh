@@ -8,8 +8,8 @@
 #   LIMIT=N   prompts per subset (the first N); unset = all of them (about 9 hours for the embedded run and 3 for
 #             the held-out one, side by side, 68 s a prompt and temperature, as measured with torch's default linear
 #             layers; oneDNN's make plain decoding about 1.5x faster here, not timed at this size)
-#   OUT=dir   output folder (default evaluation/results/smollm2-cpu/paper-long: the DFlash pair continuing the longer
-#             baseline; paper-full holds the earlier pair's records, which a resumed run refuses to mix with these)
+#   OUT=dir   output folder (default evaluation/results/smollm2-cpu/paper-long: the shipped pairs; paper-full holds
+#             the records of the pairs shipped at cfd82ae, which a resumed run refuses to mix with these)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
