@@ -1,30 +1,63 @@
-# Usage: python evaluation/results/smollm2-cpu/draft-vocab-size/make_variants.py OUT (default runs/vocab).
-# Variants of dflash-gpu-cont3 with larger draft vocabularies: the shipped map plus the next most frequent tokens of
-# the shipped training responses (the head is the target's frozen LM head, so its rows exist for every token).
-import glob, json, shutil, sys
-import numpy as np, pandas as pd, torch
+"""dflash-gpu-cont3 with larger draft vocabularies, not retrained: its 8,192 tokens plus the next most frequent in all
+the shipped responses (data, data-stub, data-gpu, data-cpu: 21,384 rows), up to 16,384 and 32,768, and the full
+vocabulary. The drafter's head is the target's frozen LM head, so every token's row exists; only the token map
+changes.
+
+    python evaluation/results/smollm2-cpu/draft-vocab-size/make_variants.py [OUT]    # default runs/vocab
+"""
+
+import glob
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4]))  # the repository root
+
+from datasets import Dataset
 from safetensors.torch import load_file, save_file
-S = "hub/embedded/smollm2-135m-instruct"
-src = f"{S}/dflash-gpu-cont3"
-OUT = sys.argv[1] if len(sys.argv) > 1 else "runs/vocab"
-sd = load_file(f"{src}/model.safetensors")
-shipped = sd["draft_token_ids"]
-V = 49152
-counts = np.zeros(V, dtype=np.int64)
-for f in sorted(glob.glob(f"{S}/data*/shard-*.parquet")):
-    df = pd.read_parquet(f, columns=["input_ids", "loss_mask"])
-    for ids, m in zip(df.input_ids, df.loss_mask):
-        ids = np.asarray(ids); counts += np.bincount(ids[np.asarray(m).astype(bool)], minlength=V)
-prio = counts.copy(); prio[shipped.numpy()] = counts.sum() + 1
-order = np.argsort(-prio, kind="stable")
-for size in (16384, 32768, None):
-    out = f"{OUT}/cont3-v{size or 'full'}"
-    shutil.copytree(src, out, dirs_exist_ok=True)
-    cfg = json.load(open(f"{out}/config.json")); cfg["draft_vocab_size"] = size
-    json.dump(cfg, open(f"{out}/config.json", "w"), indent=2)
-    new = dict(sd)
-    if size is None: new.pop("draft_token_ids")
-    else: new["draft_token_ids"] = torch.as_tensor(np.sort(order[:size]))
-    save_file(new, f"{out}/model.safetensors", metadata={"format": "pt"})
-    print(out, size, counts[order[:size or V]].sum() / counts.sum())
-print("shipped", counts[shipped.numpy()].sum() / counts.sum())
+
+from trainer.build import draft_vocab_from_rows
+
+SHIPPED = "hub/embedded/smollm2-135m-instruct"
+SOURCE = f"{SHIPPED}/dflash-gpu-cont3"
+HUMANEVAL = "evaluation/results/smollm2-cpu/slot-accuracy/humaneval-responses/shard-00000.parquet"
+
+
+def write_variant(out: str, weights: dict, draft_token_ids) -> None:
+    """The source folder with another token map (None: the full vocabulary, no map)."""
+    shutil.copytree(SOURCE, out, dirs_exist_ok=True)
+    config = json.loads(Path(f"{out}/config.json").read_text())
+    config["draft_vocab_size"] = None if draft_token_ids is None else len(draft_token_ids)
+    Path(f"{out}/config.json").write_text(json.dumps(config, indent=2))
+    weights = {k: v for k, v in weights.items() if k != "draft_token_ids"}
+    if draft_token_ids is not None:
+        weights["draft_token_ids"] = draft_token_ids
+    save_file(weights, f"{out}/model.safetensors", metadata={"format": "pt"})
+
+
+def coverage(rows: Dataset, token_ids) -> float:
+    """The share of the rows' response tokens (under their loss masks) inside the map."""
+    inside = set(token_ids.tolist())
+    tokens = [t for ids, mask in zip(rows["input_ids"], rows["loss_mask"]) for t, m in zip(ids, mask) if m]
+    return sum(t in inside for t in tokens) / len(tokens)
+
+
+def main(out_dir: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the coverage of each map
+    weights = load_file(f"{SOURCE}/model.safetensors")
+    vocab_size = json.loads(Path(f"{SOURCE}/config.json").read_text())["vocab_size"]
+    rows = Dataset.from_parquet(sorted(glob.glob(f"{SHIPPED}/data*/shard-*.parquet")), columns=["input_ids", "loss_mask"])
+    shipped_ids = weights["draft_token_ids"].tolist()
+    humaneval = Dataset.from_parquet(HUMANEVAL, columns=["input_ids", "loss_mask"])
+    print(f"shipped map: {coverage(humaneval, weights['draft_token_ids']):.2%} of the HumanEval response tokens")
+    for size in (16384, 32768):  # the shipped map first in line, then by frequency
+        ids = draft_vocab_from_rows(rows, size, vocab_size, always=shipped_ids)
+        print(f"{size}: {coverage(humaneval, ids):.2%} of the HumanEval response tokens")
+        write_variant(f"{out_dir}/cont3-v{size}", weights, ids)
+    write_variant(f"{out_dir}/cont3-vfull", weights, None)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "runs/vocab")
