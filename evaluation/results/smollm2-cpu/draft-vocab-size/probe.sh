@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Does the 8,192-token draft vocabulary cost dflash-gpu-cont3 acceptance? Its variants with 16,384 tokens and the full
 # vocabulary (make_variants.py; no retraining), then teacher-forced slot accuracy on HumanEval responses and an unseen
-# data-cpu shard (about 13 minutes at 2 threads), and the first 40 HumanEval prompts decoded beside plain greedy (20 minutes).
-# Outputs go to runs/vocab; the evaluation resumes.
+# data-cpu shard (about 13 minutes at 2 threads), and the first 40 HumanEval prompts decoded beside plain greedy (20
+# minutes). Outputs go to runs/vocab; the evaluation resumes.
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 python evaluation/results/smollm2-cpu/draft-vocab-size/make_variants.py runs/vocab
