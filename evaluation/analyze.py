@@ -28,12 +28,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from evaluation.benchmarks import EMBEDDED, encode_prompt, load_benchmark
+from carryover_common.benchmarks import EMBEDDED, encode_prompt, load_benchmark
+from carryover_common.cli import parse_arguments
+from carryover_common.targets import load_target
 from evaluation.plots import plot_attention, plot_recall, plot_reconvergence
 from evaluation.run import load_drafters, parse_drafter, provenance, tau, to_json
 from modeling_carryover import generate as carryover_generate
-from trainer.cli import parse_arguments
-from trainer.targets import load_target
 from trainer.objectives import context_visibility
 from trainer.verification import check_verification_support, target_pass, verify_branches
 

@@ -15,24 +15,20 @@ numbers are machine- and load-dependent; compare ratios measured in the same run
 import json
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch
 from tqdm.auto import tqdm
 
-from evaluation.benchmarks import encode_prompt, load_benchmark
+from carryover_common.benchmarks import encode_prompt, load_benchmark
+from carryover_common.cli import parse_arguments
+from carryover_common.targets import load_target
 from evaluation.run import load_drafter
 from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel, GenerationStats
 from modeling_carryover import generate as carryover_generate
 from modeling_carryover.generation_carryover import _synchronize
-from trainer.cli import parse_arguments
-from trainer.targets import load_target
 
 
 @dataclass

@@ -13,22 +13,18 @@ compare the ratios measured in the same run.
 import json
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch
 
-from evaluation.benchmarks import encode_prompt, load_benchmark
+from carryover_common.benchmarks import encode_prompt, load_benchmark
+from carryover_common.cli import parse_arguments
+from carryover_common.targets import load_target
 from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
 from modeling_carryover import generate as carryover_generate
-from trainer.cli import parse_arguments
 from trainer.objectives import LossSettings, default_gamma, training_step_loss
-from trainer.targets import load_target
 
 FULL = "full"
 

@@ -1,14 +1,14 @@
 """Serving benchmark in vLLM (the paper's Table 2 layout): plain decoding, vLLM's own DFlash and carryover, at each
 concurrency, tokens/s and acceptance length side by side in one run, and what carryover costs per round.
 
-    bash hub/vllm_env.sh && . .venv-vllm/bin/activate
+    bash serving/vllm_env.sh && . .venv-vllm/bin/activate
     python evaluation/bench_serving.py --drafter checkpoints/carryover --concurrency 1 2 4 8 \
         --num_prompts 4 --max_tokens 32 --repeats 3 --output evaluation/results/smollm2-cpu/bench_serving.json
 
 The drafter (this project's checkpoint) is exported twice: `hub/convert.py --to dflash --verifier <target>`, served
 by vLLM's own DFlash with the plugin disabled (`VLLM_PLUGINS=""`; a draft vocabulary gets the target LM head's rows of
 its tokens as the drafter's own head, which stock vLLM loads and maps to target ids through `d2t`), and
-`hub/vllm_plugin.py`'s export, served by the plugin with carryover on and, in the same engine, off
+`serving/vllm_plugin.py`'s export, served by the plugin with carryover on and, in the same engine, off
 (`SamplingParams(extra_args={"carryover": False})`). Each engine runs in its own
 process, in-process engine core and no async scheduling, so that one `step()` is one verification round of the batch.
 At each concurrency c, the prompts (HumanEval and MT-Bench first turns, chat template, greedy, fixed length) are fed
@@ -29,11 +29,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from evaluation.benchmarks import encode_prompt, load_benchmark
-from trainer.cli import parse_arguments
+from carryover_common.benchmarks import encode_prompt, load_benchmark
+from carryover_common.cli import parse_arguments
 
 
 @dataclass
@@ -149,9 +146,9 @@ def main(argv=None):
     (args,) = parse_arguments(ServingArguments, argv)
     import torch
 
+    from carryover_common.targets import resolve_target_path
     from hub.convert import export_dflash, import_drafter, target_lm_head
-    from hub.vllm_plugin import export_vllm
-    from trainer.targets import resolve_target_path
+    from serving.vllm_plugin import export_vllm
 
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the cores may be shared

@@ -13,11 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python evaluation/compare.py`: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from carryover_common.cli import parse_arguments
 from evaluation.run import RunRecords, read_records, tau_gain_ci
-from trainer.cli import parse_arguments
 
 
 @dataclass

@@ -17,7 +17,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.cli import parse_arguments
+from carryover_common.cli import parse_arguments
+from carryover_common.targets import TargetArguments, load_target
 from trainer.data import (
     deduplicate,
     load_regenerated,
@@ -26,7 +27,6 @@ from trainer.data import (
     synthesize_prompts,
     write_atomic,
 )
-from trainer.targets import TargetArguments, load_target
 
 SUBSETS = ("python_code", "magpie")
 

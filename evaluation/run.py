@@ -16,9 +16,10 @@ Outputs in `output_dir`:
   performance.csv   subset, temperature, drafter, prompts, generated_tokens, seconds, tokens_per_second, speedup,
                     mismatches, rounds, t_draft, t_verify (mean seconds per round); subset "all" = micro-average
   report.json       {"results": [...], "provenance": {...}}
-  table.md          Table 1 layout: tau and speedup per subset and temperature, gains vs `baseline_name`, or per
-                    `--gains NAME=REFERENCE` pair (tau gains with a 95% paired bootstrap interval over prompts; also
-                    `tau_gain`, `tau_gain_ci95` and `gain_reference` in report.json)
+  table.md          one row per temperature, subset and method (plain first, with its tokens/s): tau, its gain vs
+                    `baseline_name` or per `--gains NAME=REFERENCE` pair (a 95% paired bootstrap interval over prompts;
+                    also `tau_gain`, `tau_gain_ci95` and `gain_reference` in report.json), tokens/s, speedup, and the
+                    T=0 mismatches against plain greedy decoding
   tau.png, acceptance_by_position.png, latency.png
   records.jsonl.gz  every prompt's results (tokens, seconds, mismatch and rounds per method), appended as each
                     prompt finishes; `--resume true` continues an interrupted run from it (see RunRecords)
@@ -43,14 +44,14 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModel
 
-from evaluation.benchmarks import EMBEDDED, encode_prompt, load_benchmark
+from carryover_common.benchmarks import EMBEDDED, encode_prompt, load_benchmark
+from carryover_common.cli import parse_arguments
+from carryover_common.targets import LINEAR_BACKENDS, load_target, use_linear_backend
 from evaluation.plots import plot_acceptance_by_position, plot_latency, plot_tau
 from modeling_carryover import GenerationStats
 from modeling_carryover import generate as carryover_generate
 from modeling_carryover.generation_carryover import DraftRound, _synchronize, drafts_per_round
-from trainer.cli import parse_arguments
 from trainer.features import weights_fingerprint
-from trainer.targets import LINEAR_BACKENDS, load_target, use_linear_backend
 
 PLAIN = "plain"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +84,7 @@ class EvalArguments:
     linear_backend: str = field(
         default="default",
         metadata={"help": "Float32 CPU linear layers of the target and drafters, for plain and "
-                  "speculative decoding alike: 'default' (torch's GEMM) or 'onednn' (trainer.targets.OneDNNLinear; "
+                  "speculative decoding alike: 'default' (torch's GEMM) or 'onednn' (carryover_common.targets.OneDNNLinear; "
                   "on CPUs whose GEMM is slow for a few rows, verification costs much less).",
                   "choices": list(LINEAR_BACKENDS)},
     )
@@ -527,40 +528,32 @@ def write_performance_csv(results, path: Path):
             writer.writerow(["" if row.get(key) is None else row[key] for _, key in PERFORMANCE_COLUMNS])
 
 
-def gain(value, reference, interval=None) -> str:
-    if not reference:
+def gain_cell(row) -> str:
+    """A drafter's tau gain over its `gain_reference`, with the 95% paired bootstrap interval where there is one."""
+    if "tau_gain" not in row:
         return ""
-    bounds = f" [{100 * interval[0]:+.1f}, {100 * interval[1]:+.1f}]" if interval and math.isfinite(interval[0]) else ""
-    return f" ({100 * (value / reference - 1):+.1f}%{bounds})"
+    low, high = row["tau_gain_ci95"]
+    bounds = f" [{100 * low:+.1f}, {100 * high:+.1f}]" if math.isfinite(low) else ""
+    return f"{100 * row['tau_gain']:+.1f}%{bounds} vs {row['gain_reference']}"
 
 
 def markdown_table(results, drafter_names) -> str:
-    """Table 1's layout: rows = subsets (+ All), per temperature tau and speedup of each drafter, with the relative
-    gain over its `gain_reference` where it has one (tau: with its 95% bootstrap interval)."""
+    """One row per temperature, subset ("all": the micro-average) and method, plain decoding first with the machine's
+    tokens/s; one column per figure: tau, its gain over the drafter's `gain_reference`, tokens/s, speedup over plain
+    and, at T=0, mismatches against plain greedy decoding."""
     temperatures = list(dict.fromkeys(row["temperature"] for row in results))
     subsets = list(dict.fromkeys(row["subset"] for row in results))
     by_key = {(row["drafter"], row["subset"], row["temperature"]): row for row in results}
-    header = ["Subset"]
+    lines = ["| T | Subset | Method | τ | τ gain [95% CI] | Tokens/s | Speedup | Mismatches |", "|" + "---|" * 8]
     for temperature in temperatures:
-        header += [f"τ T={temperature:g} {name}" for name in drafter_names]
-        header += [f"Speedup T={temperature:g} {name}" for name in drafter_names]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for subset in subsets:
-        cells = ["All (micro)" if subset == "all" else subset]
-        for temperature in temperatures:
-            for metric, unit in (("acceptance_length", ""), ("speedup", "×")):
-                for name in drafter_names:
-                    row = by_key[name, subset, temperature]
-                    base = by_key.get((row.get("gain_reference"), subset, temperature))
-                    reference = base[metric] if base is not None else None
-                    interval = row.get("tau_gain_ci95") if metric == "acceptance_length" else None
-                    cells.append(f"{row[metric]:.2f}{unit}{gain(row[metric], reference, interval)}")
-        lines.append("| " + " | ".join(cells) + " |")
-    greedy = [row for row in results if row["subset"] == "all" and row.get("mismatches") is not None]
-    if greedy:
-        lines.append("")
-        lines.append("Lossless check (T=0): " + ", ".join(f"{row['drafter']} {row['mismatches']} mismatches "
-                                                         f"in {row['num_prompts']} outputs" for row in greedy) + ".")
+        for subset in subsets:
+            for name in [PLAIN, *drafter_names]:
+                row = by_key[name, subset, temperature]
+                tau_cell = "" if name == PLAIN else f"{row['acceptance_length']:.2f}"
+                mismatches = "" if row.get("mismatches") is None else f"{row['mismatches']}/{row['num_prompts']}"
+                cells = [f"{temperature:g}", subset, name, tau_cell, gain_cell(row), f"{row['tokens_per_second']:.1f}",
+                         f"{row['speedup']:.2f}×", mismatches]
+                lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,21 +19,25 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python evaluation/slot_accuracy.py`: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 from tqdm.auto import tqdm
 
+from carryover_common.cli import parse_arguments
+from carryover_common.targets import load_target
 from evaluation.plots import plot_slot_accuracy
 from evaluation.run import provenance
 from modeling_carryover import CarryoverDrafterModel
 from modeling_carryover.modeling_carryover import hidden_state_request
 from trainer.build import load_training_rows, prepare_rows
 from trainer.carryover_trainer import pad_collator
-from trainer.cli import parse_arguments
-from trainer.objectives import batch_with_features, blocks_at, drafter_hidden, sample_anchors, slot_terms, training_layer_ids
-from trainer.targets import load_target
+from trainer.objectives import (
+    batch_with_features,
+    blocks_at,
+    drafter_hidden,
+    sample_anchors,
+    slot_terms,
+    training_layer_ids,
+)
 from trainer.verification import target_pass
 
 

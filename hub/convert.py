@@ -468,7 +468,7 @@ def export_dflash(
     """Write the z-lab DFlash format (vLLM / SGLang method "dflash"). Carryover and the Markov head have no place in
     it. No `auto_map`: z-lab's `dflash.py` is not part of the folder (load it with z-lab's package); to load and decode
     with transformers alone, export with `export_transformers`. A draft vocabulary is written as vLLM's DFlash model
-    reads it, `draft_vocab_size` and speculators' `d2t`/`t2d`, when `keep_token_map` (hub/vllm_plugin.py's export,
+    reads it, `draft_vocab_size` and speculators' `d2t`/`t2d`, when `keep_token_map` (serving/vllm_plugin.py's export,
     whose plugin gives the drafter its head at load) or with `target_lm_head`, the target's LM head weight
     [vocab, d]: its rows of the draft tokens are written as the drafter's own `lm_head.weight` [N, d], which stock
     vLLM loads instead of the target's whole head (`--to dflash --verifier`). Otherwise it is refused: z-lab's format
@@ -561,7 +561,7 @@ def speculators_token_maps(draft_token_ids: torch.Tensor, vocab_size: int) -> di
 def target_lm_head(target: str, drafter: CarryoverDrafterModel) -> torch.Tensor:
     """The LM head weight [vocab, d] of `target` (a folder, Hub id or the embedded default), loaded in float32, once
     `drafter.check_target` accepts it: another model's head would give the export foreign rows without an error."""
-    from trainer.targets import load_target
+    from carryover_common.targets import load_target
 
     model = load_target(target, tokenizer=False)[0]
     drafter.check_target(model.config)
@@ -607,7 +607,7 @@ def check_exportable(
         raise ValueError(
             f"{format_name} has no draft-vocabulary token map, and this drafter drafts on {config.draft_vocab_size} "
             f"of {config.vocab_size} tokens: not exported. The speculators format keeps the map (d2t/t2d), and so "
-            "do the vLLM plugin's export (`python -m hub.vllm_plugin`) and, with the target LM head's rows as the "
+            "do the vLLM plugin's export (`python -m serving.vllm_plugin`) and, with the target LM head's rows as the "
             "drafter's own head, `--to dflash --verifier <target>`."
         )
     factor = config.rope_parameters.get("partial_rotary_factor", 1.0)

@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 from huggingface_hub import HfApi, ModelCard, get_token
 
+from carryover_common.cli import parse_arguments
+from carryover_common.targets import resolve_target_path
 from hub.convert import import_drafter
 from hub.model_card import render_model_card
 from modeling_carryover import CarryoverDrafterModel
 from trainer.carryover_trainer import TRAINING_SETTINGS_FILE as TRAINING_ARGUMENTS_FILE
-from trainer.cli import parse_arguments
-from trainer.targets import resolve_target_path
 
 EVAL_REPORT_FILE = "eval_report.json"
 CHECK_TOKENS = 8

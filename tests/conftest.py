@@ -1,7 +1,6 @@
 """Shared fixtures: tiny, randomly initialised real transformers targets and drafters, built in the test process."""
 
 import os
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers/huggingface_hub read it: no network in tests
 
@@ -14,8 +13,6 @@ from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
 
 TINY = dict(
     vocab_size=96,
@@ -88,7 +85,9 @@ def train_drafter(target, drafter, dataset, carryover=False, epochs=10, num_anch
 
     from transformers import TrainingArguments
 
-    from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer
+    from dataclasses import fields
+
+    from trainer.carryover_trainer import AblationArguments, CarryoverArguments, CarryoverTrainer
 
     args = TrainingArguments(
         output_dir=output_dir or tempfile.mkdtemp(prefix="carryover-test-"),
@@ -103,12 +102,16 @@ def train_drafter(target, drafter, dataset, carryover=False, epochs=10, num_anch
         seed=0,
         disable_tqdm=True,
     )
+    ablations = {field.name for field in fields(AblationArguments)}
     trainer = CarryoverTrainer(
         model=drafter.train(),
         args=args,
         train_dataset=dataset,
         target_model=target,
-        carryover_args=CarryoverArguments(num_anchors=num_anchors, carryover=carryover, **kwargs),
+        carryover_args=CarryoverArguments(
+            num_anchors=num_anchors, carryover=carryover, **{k: v for k, v in kwargs.items() if k not in ablations}
+        ),
+        ablation_args=AblationArguments(**{k: v for k, v in kwargs.items() if k in ablations}),
     )
     trainer.train()
     drafter.eval()

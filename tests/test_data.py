@@ -16,6 +16,7 @@ from datasets import Dataset, DatasetDict
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from trainer.build import FEATURE_INDEX, load_training_rows
 from trainer.data import (
     MANIFEST,
     deduplicate,
@@ -28,7 +29,6 @@ from trainer.data import (
     template_turn,
     tokenize_conversations,
 )
-from trainer.build import FEATURE_INDEX, load_training_rows
 from trainer.features import extract_features, rows_with_features
 
 SYSTEM = "<|im_start|>system\nBe brief.<|im_end|>\n"
@@ -530,7 +530,7 @@ def test_smollm2_template_prefixes():
     """The real SmolLM2 tokenizer (embedded target; converted once, ~30 s, then cached)."""
     from transformers import AutoTokenizer
 
-    from trainer.targets import resolve_target_path
+    from carryover_common.targets import resolve_target_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(None))
     turn = template_turn(tokenizer, "user")
@@ -571,8 +571,8 @@ def test_rows_without_an_anchor_are_dropped_with_a_warning(caplog):
 def test_heldout_prompts_avoid_every_training_prompt(taught_target, tmp_path):
     """evaluation/heldout.py on a real regenerated folder: python-code tasks on functions no training prompt names,
     and Magpie prompts sampled from the target that equal no training prompt, as a benchmark folder."""
+    from carryover_common.benchmarks import load_benchmark
     from evaluation import heldout
-    from evaluation.benchmarks import load_benchmark
 
     code = python_code_prompts(3, seed=0)
     data = regenerate(taught_target, TOK, ["hello", "count to three", *code], tmp_path / "data", max_new_tokens=4)

@@ -232,9 +232,9 @@ def test_dflash_export_with_the_target_head_writes_its_rows_and_the_map(tmp_path
 
 
 def test_vllm_plugin_export_imports_back_with_carryover_and_the_map(tmp_path):
-    """hub/vllm_plugin.py's export (z-lab's format with E_carry, the carryover setting and a draft vocabulary)
+    """serving/vllm_plugin.py's export (z-lab's format with E_carry, the carryover setting and a draft vocabulary)
     imports back as the drafter it was written from: the same weights, map and carryover, the same drafts."""
-    from hub.vllm_plugin import export_vllm
+    from serving.vllm_plugin import export_vllm
 
     target, drafter, dataset, _ = draft_vocab_drafter()
     assert drafter.config.carryover and drafter.carry_embedding.any()

@@ -14,14 +14,14 @@ import matplotlib.image
 import pytest
 import torch
 import yaml
+from conftest import REPO_ROOT, TINY, make_drafter, make_target
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from conftest import REPO_ROOT, TINY, make_drafter, make_target
+from carryover_common.benchmarks import encode_prompt, load_benchmark
+from carryover_common.targets import load_target
 from evaluation import run
-from evaluation.benchmarks import encode_prompt, load_benchmark
 from modeling_carryover import generate as carryover_generate
-from trainer.targets import load_target
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|> {{ message['role'] }} {{ message['content'] }} <|im_end|> {% endfor %}"
@@ -278,18 +278,24 @@ def test_report_performance_and_latency_model(workspace, evaluation_run):
     assert provenance["date"] and "git_commit" in provenance
 
 
-def test_markdown_table_has_paper_layout(evaluation_run):
+def test_markdown_table_has_one_row_per_temperature_subset_and_method(evaluation_run):
     output_dir, report = evaluation_run
     table = (output_dir / "table.md").read_text()
-    header = table.splitlines()[0]
-    assert "τ T=0 baseline" in header and "Speedup T=1 carryover" in header
-    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| Subset")]
-    assert [row.split(" | ")[0][2:] for row in rows] == [*SUBSETS, "All (micro)"]
+    lines = table.splitlines()
+    assert lines[0] == "| T | Subset | Method | τ | τ gain [95% CI] | Tokens/s | Speedup | Mismatches |"
+    rows = [line.strip("| ").split(" | ") for line in lines[2:]]
+    methods = ["plain", "baseline", "carryover", "carryover-off"]
+    assert [row[:3] for row in rows] == [[t, s, m] for t in ("0", "1") for s in [*SUBSETS, "all"] for m in methods]
     results = {(r["drafter"], r["subset"], r["temperature"]): r for r in report["results"]}
-    base, carry = results["baseline", "alpha", 0]["acceptance_length"], results["carryover", "alpha", 0]["acceptance_length"]
-    low, high = results["carryover", "alpha", 0]["tau_gain_ci95"]
-    assert f"{carry:.2f} ({100 * (carry / base - 1):+.1f}% [{100 * low:+.1f}, {100 * high:+.1f}])" in rows[0]
-    assert "carryover 0 mismatches" in table
+    carry = results["carryover", "alpha", 0]
+    low, high = carry["tau_gain_ci95"]
+    assert rows[1] == ["0", "alpha", "baseline", f"{results['baseline', 'alpha', 0]['acceptance_length']:.2f}", "",
+                       f"{results['baseline', 'alpha', 0]['tokens_per_second']:.1f}",
+                       f"{results['baseline', 'alpha', 0]['speedup']:.2f}×", f"0/{carry['num_prompts']}"]
+    assert rows[2][3:5] == [f"{carry['acceptance_length']:.2f}",
+                            f"{100 * carry['tau_gain']:+.1f}% [{100 * low:+.1f}, {100 * high:+.1f}] vs baseline"]
+    assert rows[0][3] == "" and rows[0][6] == "1.00×"  # plain: no tau, its own tokens/s
+    assert all(row[7] == "" for row in rows if row[0] == "1")  # T=1: no lossless check
 
 
 def test_tau_gain_interval_is_a_paired_bootstrap_over_prompts():
@@ -421,8 +427,8 @@ def test_gains_against_each_drafters_own_reference(workspace, tmp_path):
         assert on["tau_gain"] == pytest.approx(on["acceptance_length"] / off["acceptance_length"] - 1)
         assert off["tau_gain"] == pytest.approx(off["acceptance_length"] / base["acceptance_length"] - 1)
         assert "tau_gain" not in base and "gain_reference" not in base
-        row = next(line for line in table.splitlines() if line.startswith(f"| {'All (micro)' if subset == 'all' else subset} |"))
-        assert f"{off['acceptance_length']:.2f} ({100 * off['tau_gain']:+.1f}% [" in row
+        row = next(line for line in table.splitlines() if line.startswith(f"| 0 | {subset} | carryover-off |"))
+        assert f"| {off['acceptance_length']:.2f} | {100 * off['tau_gain']:+.1f}% [" in row and "vs baseline" in row
     for bad in (["carryover=nobody"], ["carryover"], ["baseline=baseline"]):
         with pytest.raises(ValueError, match="--gains"):
             run.main(argv + ["--gains", *bad])

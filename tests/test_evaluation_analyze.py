@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
-
 from conftest import make_drafter, make_target
-from evaluation import analyze
-from evaluation.benchmarks import encode_prompt
 from test_evaluation import tiny_tokenizer, workspace  # noqa: F401  (session fixture shared with test_evaluation)
+
+from carryover_common.benchmarks import encode_prompt
+from evaluation import analyze
 
 MAX_NEW_TOKENS = 24
 

@@ -12,7 +12,7 @@ from transformers import TrainingArguments
 
 import trainer.features as features_module
 from modeling_carryover.modeling_carryover import hidden_state_request, layer_outputs
-from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer, pad_collator
+from trainer.carryover_trainer import AblationArguments, CarryoverArguments, CarryoverTrainer, pad_collator
 from trainer.build import FEATURE_INDEX, load_training_rows
 from trainer.features import FEATURES_MANIFEST, TargetFeatures, extract_features, rows_with_features
 from trainer.objectives import LossSettings, training_step_loss
@@ -110,7 +110,8 @@ def train(target, rows, drafter, features, carryover, output_dir, steps=3):
     )
     trainer = CarryoverTrainer(
         model=drafter.train(), args=args, train_dataset=rows, target_model=target, target_features=features,
-        carryover_args=CarryoverArguments(num_anchors=8, carryover=carryover, carry_embedding_init="feature_rms"),
+        carryover_args=CarryoverArguments(num_anchors=8, carryover=carryover),
+        ablation_args=AblationArguments(carry_embedding_init="feature_rms"),
     )
     trainer.train()
     return drafter

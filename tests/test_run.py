@@ -297,7 +297,7 @@ def test_yaml_config_and_a_peft_adapter_on_the_target(tiny_setup, tmp_path):
     "module, argv",
     [("trainer.run", []), ("trainer.regenerate", []), ("trainer.features", []), ("trainer.bench_training", []),
      ("evaluation.run", []), ("evaluation.analyze", ["recall"]), ("evaluation.bench_decoding", []),
-     ("evaluation.heldout", []), ("hub.publish", []), ("hub.vllm_plugin", [])],
+     ("evaluation.heldout", []), ("hub.publish", []), ("serving.vllm_plugin", [])],
 )
 def test_every_cli_takes_a_thread_setting(module, argv, capsys):
     import importlib
@@ -309,7 +309,7 @@ def test_every_cli_takes_a_thread_setting(module, argv, capsys):
 
 
 def test_thread_setting_is_applied_and_checked():
-    from trainer.cli import parse_arguments
+    from carryover_common.cli import parse_arguments
     from trainer.run import ARGUMENT_CLASSES
 
     before = torch.get_num_threads()
@@ -327,7 +327,7 @@ def test_a_recipe_file_with_overriding_flags(tmp_path):
     """A YAML recipe then flags: the flags win, lists and booleans parse, null keeps the default, unknown keys fail."""
     import yaml
 
-    from trainer.cli import parse_arguments
+    from carryover_common.cli import parse_arguments
     from trainer.run import ARGUMENT_CLASSES
 
     recipe = {"output_dir": "from-recipe", "target_layer_ids": [1, 8, 15], "block_size": 4, "carryover": True,

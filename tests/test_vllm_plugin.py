@@ -1,11 +1,11 @@
-"""Serving with carryover in vLLM (hub/vllm_plugin.py, hub/vllm_carryover.py), with vLLM's CPU build really running:
+"""Serving with carryover in vLLM (serving/vllm_plugin.py, serving/vllm_carryover.py), with vLLM's CPU build really running:
 greedy outputs equal vLLM's own decoding without speculation (concurrency 1 and 4), every proposal equals the one
 `generate`'s CandidateGenerator makes at the same anchor (carryover on and off), requests that end mid-round, and
 batches whose requests carry different numbers of rejected rows; all of it for a drafter on the target's whole
 vocabulary and for the same drafter on a draft vocabulary (token map); and stock vLLM DFlash serving the draft
 vocabulary with the head `hub/convert.py --to dflash --verifier` exports. One vLLM engine per drafter serves all tests
 (an engine start takes about half a minute here); a plain engine runs first for the reference outputs. Runs in the
-serving venv (hub/vllm_env.sh); skipped where vLLM is not installed."""
+serving venv (serving/vllm_env.sh); skipped where vLLM is not installed."""
 
 import gc
 import json
@@ -26,8 +26,8 @@ from vllm import LLM, SamplingParams  # noqa: E402
 
 import modeling_carryover as mc  # noqa: E402
 from hub.convert import export_dflash, import_drafter  # noqa: E402
-from hub.vllm_carryover import RECORD_ENV, check_pair  # noqa: E402
-from hub.vllm_plugin import export_vllm  # noqa: E402
+from serving.vllm_carryover import RECORD_ENV, check_pair  # noqa: E402
+from serving.vllm_plugin import export_vllm  # noqa: E402
 from trainer.build import draft_vocab_from_rows  # noqa: E402
 
 BLOCK_SIZE = 4

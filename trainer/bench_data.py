@@ -12,20 +12,16 @@ import itertools
 import json
 import multiprocessing
 import os
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch
 
-from evaluation.benchmarks import load_benchmark
-from trainer.cli import parse_arguments
+from carryover_common.benchmarks import load_benchmark
+from carryover_common.cli import parse_arguments
+from carryover_common.targets import load_target
 from trainer.data import regenerate, synthesize_prompts
-from trainer.targets import load_target
 
 
 @dataclass

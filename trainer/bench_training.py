@@ -14,14 +14,11 @@ A benchmark, not a test: the numbers are machine- and load-dependent; compare ra
 import json
 import multiprocessing
 import os
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's own start/stop chatter
 
 import psutil
@@ -29,12 +26,12 @@ import torch
 from accelerate.utils import send_to_device
 from torch.profiler import ProfilerActivity, profile
 
+from carryover_common.cli import parse_arguments
+from carryover_common.targets import cpu_bf16_is_emulated, load_target
 from trainer.build import DrafterArguments, build_drafter, load_training_rows, prepare_rows
 from trainer.carryover_trainer import pad_collator
-from trainer.cli import parse_arguments
 from trainer.features import extract_features
 from trainer.objectives import LossSettings, default_gamma, training_step_loss
-from trainer.targets import cpu_bf16_is_emulated, load_target
 
 PHASES = ("carryover.target_pass", "carryover.first_draft", "carryover.verify", "carryover.drafter_loss")
 MODES = ("baseline", "baseline_cached", "carryover", "carryover_cached")

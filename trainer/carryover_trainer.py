@@ -54,6 +54,14 @@ class CarryoverArguments:
             "it shut."
         },
     )
+    verify_chunk_size: int = field(default=64, metadata={"help": "Anchors per packed target verification forward."})
+
+
+@dataclass
+class AblationArguments:
+    """Ablations of carryover training, apart from the objective a user needs. None of them gained against its control
+    on SmolLM2 (docs/results.md); they stay so that those experiments reproduce."""
+
     carry_embedding_init: str = field(
         default="keep",
         metadata={
@@ -97,7 +105,6 @@ class CarryoverArguments:
             "nothing else (full carryover training also moves the shared weights, which every run here made worse)."
         },
     )
-    verify_chunk_size: int = field(default=64, metadata={"help": "Anchors per packed target verification forward."})
 
 
 def pad_collator(rows: list[dict], features: TargetFeatures | None = None) -> dict:
@@ -125,6 +132,7 @@ class CarryoverTrainer(Trainer):
         *args,
         target_model=None,
         carryover_args: CarryoverArguments | None = None,
+        ablation_args: AblationArguments | None = None,
         target_features: TargetFeatures | None = None,
         inputs_record: dict | None = None,
         **kwargs,
@@ -146,24 +154,25 @@ class CarryoverTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.args.remove_unused_columns = False  # loss_mask is not a drafter forward argument
         self.carryover_args = carryover_args or CarryoverArguments()
+        self.ablation_args = ablation_args or AblationArguments()
         self.inputs_record = inputs_record
         for name in ("num_anchors", "verify_chunk_size"):
             if getattr(self.carryover_args, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self.carryover_args, name)}.")
-        weight = self.carryover_args.first_pass_loss_weight
+        weight = self.ablation_args.first_pass_loss_weight
         if weight < 0 or (weight > 0 and not self.carryover_args.carryover):
             raise ValueError(
                 f"first_pass_loss_weight={weight}: it weighs carryover's first pass; use a value >= 0, with --carryover."
             )
-        if not self.carryover_args.carry_rows and not self.carryover_args.carryover:
+        if not self.ablation_args.carry_rows and not self.carryover_args.carryover:
             raise ValueError("carry_rows=False ablates carryover training's rows: it needs --carryover true.")
-        temperature = self.carryover_args.carry_temperature
+        temperature = self.ablation_args.carry_temperature
         if temperature < 0 or (temperature > 0 and not self.carryover_args.carryover):
             raise ValueError(
                 f"carry_temperature={temperature}: it is the temperature of carryover's first-pass drafts; use a value "
                 ">= 0, with --carryover true."
             )
-        carries_rows = self.carryover_args.carryover and self.carryover_args.carry_rows
+        carries_rows = self.carryover_args.carryover and self.ablation_args.carry_rows
         drafter = self.accelerator.unwrap_model(self.model)
         drafter.check_target(target_model.config)
         if self.carryover_args.carryover:
@@ -177,9 +186,9 @@ class CarryoverTrainer(Trainer):
             markov_ce_weight=self.carryover_args.markov_ce_weight,
             markov_l1_weight=self.carryover_args.markov_l1_weight,
             confidence_weight=self.carryover_args.confidence_weight,
-            first_pass_weight=self.carryover_args.first_pass_loss_weight,
+            first_pass_weight=self.ablation_args.first_pass_loss_weight,
         )
-        if self.carryover_args.train_carry_only:
+        if self.ablation_args.train_carry_only:
             if not carries_rows:
                 raise ValueError("train_carry_only trains what reads the carried rows: it needs --carryover true (with rows).")
             drafter.requires_grad_(False)  # the Trainer's optimizer takes only parameters that require grad
@@ -190,7 +199,7 @@ class CarryoverTrainer(Trainer):
                 part.requires_grad_(carries_rows)
         target_model.requires_grad_(False).eval()
         self.target_model = self.accelerator.prepare_model(target_model, evaluation_mode=True)
-        self._carry_init_pending = carries_rows and self.carryover_args.carry_embedding_init != "keep"
+        self._carry_init_pending = carries_rows and self.ablation_args.carry_embedding_init != "keep"
         self._step_metrics = defaultdict(list)
 
     def _check_features(self, features: TargetFeatures, target_model, config) -> None:
@@ -214,9 +223,9 @@ class CarryoverTrainer(Trainer):
             self.carryover_args.num_anchors,
             self.loss_settings,
             carryover=self.carryover_args.carryover,
-            carry_rows=self.carryover_args.carry_rows,
+            carry_rows=self.ablation_args.carry_rows,
             chunk_size=self.carryover_args.verify_chunk_size,
-            draft_temperature=self.carryover_args.carry_temperature,
+            draft_temperature=self.ablation_args.carry_temperature,
         )
         prefix = "" if model.training else "eval_"
         values = self.accelerator.reduce(torch.stack([v.detach().float() for v in metrics.values()]), "mean")
@@ -239,11 +248,11 @@ class CarryoverTrainer(Trainer):
 
     @torch.no_grad()
     def _init_carry_embedding(self, inputs):
-        """Initialise E_carry before the first carryover step (see CarryoverArguments.carry_embedding_init)."""
+        """Initialise E_carry before the first carryover step (see AblationArguments.carry_embedding_init)."""
         drafter = self.accelerator.unwrap_model(self.model)
         if drafter.carry_embedding is None:
             return
-        if self.carryover_args.carry_embedding_init == "zeros":
+        if self.ablation_args.carry_embedding_init == "zeros":
             drafter.carry_embedding.zero_()
             return
         hidden_states = inputs.get("target_hidden_states")  # from the features cache, if training reads one
@@ -257,7 +266,7 @@ class CarryoverTrainer(Trainer):
         features = drafter.target_features(hidden_states)[inputs["attention_mask"].bool()].float()  # [rows, F]
         rms = features.pow(2).mean(0).sqrt()
         signs = torch.randint(0, 2, rms.shape, device=rms.device) * 2 - 1
-        value = (self.carryover_args.carry_embedding_init_scale * rms * signs).to(drafter.carry_embedding.dtype)
+        value = (self.ablation_args.carry_embedding_init_scale * rms * signs).to(drafter.carry_embedding.dtype)
         if self.accelerator.num_processes > 1:
             torch.distributed.broadcast(value, src=0)  # the same E_carry on every rank
         parameter = drafter.carry_embedding
@@ -289,7 +298,7 @@ class CarryoverTrainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
             settings = {
-                "carryover": asdict(self.carryover_args),
+                "carryover": asdict(self.carryover_args) | asdict(self.ablation_args),
                 "loss": asdict(self.loss_settings),
                 "training": {
                     k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))

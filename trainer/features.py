@@ -20,13 +20,8 @@ import hashlib
 import json
 import logging
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-if __package__ in (None, ""):  # `python trainer/features.py`: make the project importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import torch
@@ -35,12 +30,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from carryover_common.cli import parse_arguments
+from carryover_common.targets import TargetArguments, default_device, load_target
 from modeling_carryover.configuration_carryover import check_target_layer_ids, default_target_layer_ids
 from modeling_carryover.modeling_carryover import hidden_state_request, layer_outputs
 from trainer.build import FEATURE_INDEX, concatenate_rows, load_training_rows, shard_counts
-from trainer.cli import parse_arguments
 from trainer.data import _version, check_resumable, write_atomic
-from trainer.targets import TargetArguments, default_device, load_target
 from trainer.verification import target_pass
 
 logger = logging.getLogger(__name__)

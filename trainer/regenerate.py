@@ -21,9 +21,16 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.cli import parse_arguments
-from trainer.data import load_prompts, python_code_names, python_code_prompts, regenerate, synthesize_prompts, write_atomic
-from trainer.targets import EMBEDDED_TARGET, TargetArguments, default_device, load_target
+from carryover_common.cli import parse_arguments
+from carryover_common.targets import EMBEDDED_TARGET, TargetArguments, default_device, load_target
+from trainer.data import (
+    load_prompts,
+    python_code_names,
+    python_code_prompts,
+    regenerate,
+    synthesize_prompts,
+    write_atomic,
+)
 
 
 @dataclass

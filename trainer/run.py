@@ -16,30 +16,26 @@
     torchrun --nproc_per_node 8 trainer/run.py ... --fsdp full_shard --fsdp_config fsdp.json   # FSDP2: {"version": 2}
 
 Arguments: TargetArguments (target, PEFT adapter), DrafterArguments (architecture or checkpoint), DataArguments,
-RegenerationArguments (prompts to regenerate first), CarryoverArguments (objective) and transformers'
+RegenerationArguments (prompts to regenerate first), CarryoverArguments (objective), AblationArguments (ablations of
+carryover training, apart from the objective) and transformers'
 TrainingArguments (output_dir, epochs, learning rate, resume_from_checkpoint, ...). Checkpoints hold the drafter only
 and load and decode like any drafter folder (remote code + custom_generate/).
 """
 
 import json
-import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-if __package__ in (None, ""):  # `python trainer/run.py`: make the project importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 from transformers import TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
+from carryover_common.cli import parse_arguments
+from carryover_common.targets import TargetArguments, default_device, load_target, warn_if_cpu_bf16_is_slow
 from trainer.build import DrafterArguments, build_drafter, load_training_rows, prepare_rows
-from trainer.carryover_trainer import TRAINING_SETTINGS_FILE, CarryoverArguments, CarryoverTrainer
-from trainer.cli import parse_arguments
+from trainer.carryover_trainer import TRAINING_SETTINGS_FILE, AblationArguments, CarryoverArguments, CarryoverTrainer
 from trainer.features import rows_with_features
 from trainer.regenerate import RegenerationArguments, regenerate_from_args
-from trainer.targets import TargetArguments, default_device, load_target, warn_if_cpu_bf16_is_slow
 
 
 @dataclass
@@ -70,12 +66,20 @@ class DataArguments:
     )
 
 
-ARGUMENT_CLASSES = (TargetArguments, DrafterArguments, DataArguments, RegenerationArguments, CarryoverArguments, TrainingArguments)
+ARGUMENT_CLASSES = (
+    TargetArguments,
+    DrafterArguments,
+    DataArguments,
+    RegenerationArguments,
+    CarryoverArguments,
+    AblationArguments,
+    TrainingArguments,
+)
 
 
 def main(argv=None):
-    target_args, drafter_args, data_args, regeneration_args, carryover_args, training_args = parse_arguments(
-        ARGUMENT_CLASSES, argv
+    target_args, drafter_args, data_args, regeneration_args, carryover_args, ablation_args, training_args = (
+        parse_arguments(ARGUMENT_CLASSES, argv)
     )
     if not (data_args.dataset or regeneration_args.prompts):
         raise SystemExit("Give the training data: --dataset <folder>, or --prompts <source|magpie> to regenerate it.")
@@ -131,6 +135,7 @@ def main(argv=None):
         eval_dataset=eval_rows,
         target_model=target,
         carryover_args=carryover_args,
+        ablation_args=ablation_args,
         target_features=features,
         inputs_record=inputs_record,
     )

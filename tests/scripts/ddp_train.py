@@ -12,8 +12,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 
 def allow_fsdp_on_cpu():
     from accelerate.state import AcceleratorState, PartialState

@@ -30,7 +30,7 @@ OUT_DIR=${OUT_DIR:-runs/smollm2-dflash/continue}
 
 # bf16 where this CPU computes it natively, float32 where it is emulated (as in smollm2_recipe.sh). The features of
 # one training run must all come from one target dtype: a folder made with the other is refused, not mixed.
-if python -c "import sys; from trainer.targets import cpu_bf16_is_emulated; sys.exit(cpu_bf16_is_emulated())"; then
+if python -c "import sys; from carryover_common.targets import cpu_bf16_is_emulated; sys.exit(cpu_bf16_is_emulated())"; then
   DTYPE=bfloat16 BF16=true
 else
   DTYPE=float32 BF16=false

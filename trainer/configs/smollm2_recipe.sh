@@ -24,7 +24,7 @@ OUT=runs/smollm2-$VARIANT
 # bf16 where this CPU computes it natively (AVX-512, AMX: there bf16 autocast is 1.6x the float32 step), float32
 # where it is emulated (AVX2 only, e.g. AMD EPYC Milan: the target's bf16 forward 7x slower than float32). The
 # regeneration stays bf16 whatever the CPU: its dtype is part of the data (and of the shipped shards' manifest).
-if python -c "import sys; from trainer.targets import cpu_bf16_is_emulated; sys.exit(cpu_bf16_is_emulated())"; then
+if python -c "import sys; from carryover_common.targets import cpu_bf16_is_emulated; sys.exit(cpu_bf16_is_emulated())"; then
   DTYPE=bfloat16 BF16=true
 else
   DTYPE=float32 BF16=false

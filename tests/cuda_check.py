@@ -2,29 +2,24 @@
 baseline then carryover), carryover decoding on CUDA reproduces plain greedy decoding, and a training step through
 FlexAttention gives the loss and gradients of the dense path (CPU FlexAttention has no backward: only here).
 
-    python tests/scripts/cuda_check.py [cpu]      # prints one JSON line per dtype; exits 1 on an fp32 mismatch
+    python tests/cuda_check.py [cpu]      # prints one JSON line per dtype; exits 1 on an fp32 mismatch
 
 bf16 is reported, not asserted: a multi-token verification forward and one-token plain decoding use different
 kernels, so bf16 argmax ties can flip (true of any assisted generation in transformers).
 """
 
 import json
-import os
 import sys
 import tempfile
 import time
 
 import torch
+from conftest import greedy_dataset, make_drafter, make_target
+from transformers import TrainingArguments
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from conftest import greedy_dataset, make_drafter, make_target  # noqa: E402
-from transformers import TrainingArguments  # noqa: E402
-
-import modeling_carryover as mc  # noqa: E402
-from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer, pad_collator  # noqa: E402
-from trainer.objectives import LossSettings, training_step_loss  # noqa: E402
+import modeling_carryover as mc
+from trainer.carryover_trainer import CarryoverArguments, CarryoverTrainer, pad_collator
+from trainer.objectives import LossSettings, training_step_loss
 
 
 def train(target, drafter, dataset, carryover, bf16):

@@ -23,7 +23,6 @@ import os
 import torch
 from torch import nn
 from typing_extensions import override
-
 from vllm import _custom_ops as ops
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
 from vllm.v1.spec_decode.dflash import DFlashProposer

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The supported serving environment: a second venv (default .venv-vllm) with vLLM's CPU build, transformers 5.19 (the
 # newest vLLM 0.32 accepts) and this project with its vLLM plugin (`vllm.general_plugins` entry point).
-#   bash hub/vllm_env.sh [venv folder]
+#   bash serving/vllm_env.sh [venv folder]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv-vllm}"

@@ -1,6 +1,6 @@
 """Serve a Carryover drafter WITH carryover in vLLM (0.32.0, pinned): a `vllm.general_plugins` plugin and its export.
 
-    python -m hub.vllm_plugin --source checkpoints/carryover --output_dir out-vllm          # export (E_carry kept)
+    python -m serving.vllm_plugin --source checkpoints/carryover --output_dir out-vllm          # export (E_carry kept)
     python -m vllm.entrypoints.openai.api_server --model <target> \
         --speculative-config '{"method": "dflash", "model": "out-vllm", "num_speculative_tokens": 7}'
 
@@ -8,7 +8,7 @@ The export is `hub/convert.py --to dflash` (z-lab's DFlash format, which vLLM lo
 E_carry as the tensor `carry_embedding`, `architectures: ["DFlashCarryoverDraftModel"]`, in `dflash_config`
 `carryover` (on by default for requests; the checkpoint's own `carryover` unless `--carryover` says otherwise) and
 `target_model_type`, and a draft vocabulary's `draft_vocab_size` with its token map `d2t` (and `t2d`). With the
-plugin installed (`pip install -e ".[vllm]"`, see hub/vllm_env.sh), vLLM loads it as
+plugin installed (`pip install -e ".[vllm]"`, see serving/vllm_env.sh), vLLM loads it as
 `vllm_carryover.CarryoverDFlashForCausalLM`, whose head for a draft vocabulary is the target LM head's rows of the
 draft tokens, and drafts with `vllm_carryover.CarryoverDFlashProposer`, which refuses a target or
 `num_speculative_tokens` the drafter does not fit. Plain `--to dflash` exports (no E_carry) run exactly as
@@ -25,9 +25,9 @@ from typing import Literal
 
 from safetensors.torch import load_file, save_file
 
+from carryover_common.cli import parse_arguments
 from hub.convert import export_dflash, import_drafter
 from modeling_carryover import CarryoverDrafterModel
-from trainer.cli import parse_arguments
 
 ARCHITECTURE = "DFlashCarryoverDraftModel"  # vLLM keeps a DFlash draft's architecture that starts with "DFlash"
 
@@ -38,9 +38,9 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.v1.worker import gpu_model_runner  # the CPU runner subclasses it
 
-    from hub.vllm_carryover import CarryoverDFlashProposer
+    from serving.vllm_carryover import CarryoverDFlashProposer
 
-    ModelRegistry.register_model(ARCHITECTURE, "hub.vllm_carryover:CarryoverDFlashForCausalLM")
+    ModelRegistry.register_model(ARCHITECTURE, "serving.vllm_carryover:CarryoverDFlashForCausalLM")
     gpu_model_runner.DFlashProposer = CarryoverDFlashProposer
 
 

@@ -1,1 +1,0 @@
-../../../../modeling_carryover/configuration_carryover.py

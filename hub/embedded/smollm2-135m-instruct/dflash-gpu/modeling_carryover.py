@@ -1,1 +1,0 @@
-../../../../modeling_carryover/modeling_carryover.py

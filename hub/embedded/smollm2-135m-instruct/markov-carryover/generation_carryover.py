@@ -1,1 +1,0 @@
-../../../../modeling_carryover/generation_carryover.py
