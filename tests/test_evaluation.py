@@ -283,7 +283,7 @@ def test_markdown_table_has_one_row_per_temperature_subset_and_method(evaluation
     table = (output_dir / "table.md").read_text()
     lines = table.splitlines()
     assert lines[0] == "| T | Subset | Method | τ | τ gain [95% CI] | Tokens/s | Speedup | Mismatches |"
-    rows = [line.strip("| ").split(" | ") for line in lines[2:]]
+    rows = [line[2:-2].split(" | ") for line in lines[2:]]
     methods = ["plain", "baseline", "carryover", "carryover-off"]
     assert [row[:3] for row in rows] == [[t, s, m] for t in ("0", "1") for s in [*SUBSETS, "all"] for m in methods]
     results = {(r["drafter"], r["subset"], r["temperature"]): r for r in report["results"]}
