@@ -14,13 +14,17 @@ Each round (batch size 1, like all assisted generation in transformers):
   1. the target's last verification forward returned hidden states for the window `[anchor, draft_1 .. draft_c]`;
   2. the anchor and the accepted drafts become committed drafter context (their keys/values are cached);
   3. with carryover, the rejected drafts' rows (+ E_carry) become read-only context for the next proposal only;
-  4. the drafter proposes up to `block_size - 1` tokens (or `num_assistant_tokens`) for the block `[new anchor,
-     MASK ...]`, or with `draft_confidence_threshold` only as many as it is confident in (`confident_drafts`);
+  4. the speculation policy chooses the round: by default (`SpeculationPolicy`) the drafter's block, a prompt-lookup
+     candidate or a plain step, by expected tokens per second; the drafter proposes up to `block_size - 1` tokens
+     (or `num_assistant_tokens`) for the block `[new anchor, MASK ...]`, of which the policy verifies the ones worth
+     it (with `speculation_policy="fixed"`: all of them, or with `draft_confidence_threshold` only as many as it is
+     confident in, `confident_drafts`);
   5. transformers verifies them (greedy match or exact speculative sampling) and crops its own cache.
 """
 
 import contextlib
 import copy
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -40,10 +44,12 @@ from transformers.generation.stopping_criteria import (
 
 @dataclass
 class DraftRound:
-    """One speculative round: `proposed` drafts for the block anchored at `anchor_position`, of which the target
-    accepted `accepted`, with `carried` rejected rows of the previous round as extra context and `committed_rows`
-    rows in the drafter's cache. `drafts` are the proposed token ids (for replay analyses). Seconds are wall-clock
-    (CUDA-synchronised)."""
+    """One round of the target: `proposed` candidates after `anchor_position`, of which the target accepted
+    `accepted`. `kind` is "draft" (the drafter's block, with `carried` rejected rows of the previous drafted round as
+    extra context and `committed_rows` rows in the drafter's cache), "ngram" (a prompt-lookup candidate) or "plain"
+    (one target step, no candidates), as the speculation policy chose; `predicted_accepted` is what it expected.
+    `drafts` are the proposed token ids (for replay analyses). Seconds are wall-clock (CUDA-synchronised):
+    `draft_seconds` is the time before the target forward (the policy's `policy_seconds` included)."""
 
     anchor_position: int
     proposed: int
@@ -53,6 +59,9 @@ class DraftRound:
     accepted: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    kind: str = "draft"
+    predicted_accepted: float | None = None
+    policy_seconds: float = 0.0
 
 
 @dataclass
@@ -67,10 +76,18 @@ class GenerationStats:
 
     @property
     def acceptance_length(self) -> float:
-        """tau: tokens per verification round, bonus token included, micro-averaged over rounds."""
+        """tau: tokens per target forward (verification round), bonus token included, micro-averaged over rounds of
+        every kind."""
         if not self.rounds:
             return float("nan")
         return sum(r.accepted + 1 for r in self.rounds) / len(self.rounds)
+
+    def rounds_by_kind(self) -> dict[str, int]:
+        """{kind: rounds} ("draft", "ngram", "plain")."""
+        counts = {}
+        for r in self.rounds:
+            counts[r.kind] = counts.get(r.kind, 0) + 1
+        return counts
 
 
 def _synchronize(device):
@@ -94,6 +111,216 @@ def drafts_per_round(block_size: int, num_assistant_tokens: int | None = None) -
     return min(block_size - 1, num_assistant_tokens or block_size)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The speculation policy: each round, a drafted block (and how many of its drafts to verify), a prompt-lookup
+# candidate, or a plain target step, by expected committed tokens per second.
+# ----------------------------------------------------------------------------------------------------------------
+
+SPECULATION_POLICIES = ("adaptive", "fixed")
+EMA = 0.2  # weight of a new measurement in the moving averages: the policy follows the machine within a few rounds
+WARMUP_DRAFTED_ROUNDS = 4  # drafted rounds that verify every draft before the policy trims or skips any
+EXPLORE_EVERY = 8  # then every 8th drafted round verifies every draft, so late slots keep their acceptance labels
+MAX_BACKOFF = 32  # rounds without drafting, at most, before the drafter is probed again
+
+
+def ngram_candidate(ids: torch.Tensor, max_ngram: int = 3, max_tokens: int = 10) -> torch.Tensor:
+    """Prompt lookup (transformers' `prompt_lookup_num_tokens`, vLLM's n-gram proposer): the up to `max_tokens` tokens
+    that followed the most recent earlier occurrence of the sequence's last n tokens, n from `max_ngram` down to 1;
+    empty when no n-gram recurs. No model, no training. ids [L] -> [m]"""
+    for n in range(min(max_ngram, ids.shape[0] - 1), 0, -1):
+        earlier = ids.unfold(0, n, 1)[:-1]  # [L - n, n]: every n-gram but the sequence's own tail
+        starts = (earlier == ids[-n:]).all(-1).nonzero()
+        if len(starts):
+            start = int(starts[-1]) + n  # the most recent occurrence: repetition is local
+            return ids[start : start + max_tokens]
+    return ids[:0]
+
+
+def ema(average: float | None, value: float) -> float:
+    return value if average is None else average + EMA * (value - average)
+
+
+class VerifyCosts:
+    """Seconds of one target forward over r rows (r = 1: a plain step; r = k + 1: verifying k drafts), measured on
+    this machine as every round runs: a moving average per row count, interpolated linearly between the counts
+    measured. One table per target, device, dtype and thread count (`verify_costs_for`), shared by every generate
+    call, so it is measured once and follows the machine when it slows down or speeds up."""
+
+    def __init__(self):
+        self.seconds = {}  # rows -> seconds
+
+    def observe(self, rows: int, seconds: float):
+        self.seconds[rows] = ema(self.seconds.get(rows), seconds)
+
+    def __call__(self, rows: int) -> float | None:
+        """The measured or interpolated cost of `rows` rows; None until two row counts are measured."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        known = sorted(self.seconds)
+        if len(known) < 2:
+            return None
+        below = [r for r in known if r < rows][-1:] or known[:1]
+        above = [r for r in known if r > rows][:1] or known[-1:]
+        low, high = (below[0], above[0]) if below[0] != above[0] else (known[-2], known[-1])
+        slope = (self.seconds[high] - self.seconds[low]) / (high - low)
+        return max(self.seconds[low] + slope * (rows - low), 1e-6)
+
+
+_VERIFY_COSTS: dict[tuple, VerifyCosts] = {}
+
+
+def verify_costs_for(target) -> VerifyCosts:
+    key = (type(target).__name__, getattr(target.config, "_name_or_path", ""), target.num_parameters(), str(target.device),
+           str(target.dtype), torch.get_num_threads())
+    return _VERIFY_COSTS.setdefault(key, VerifyCosts())
+
+
+class SlotAcceptance:
+    """The chance that slot i's draft is accepted given that every earlier one was: a logistic model per slot on the
+    logit of the drafter's top probability there, p_i = sigmoid(w_i logit(confidence_i) + b_i). It starts as the
+    drafter's own estimate (w = 1, b = 0) and is refit online by one gradient step per verified slot; only slots
+    reached (every earlier draft accepted) have a label. At T > 0 the label is speculative sampling's acceptance,
+    min(1, p/q) in expectation, so the same model calibrates to it."""
+
+    def __init__(self, num_slots: int, learning_rate: float = 0.05):
+        self.weights = torch.tensor([[1.0, 0.0]], dtype=torch.float64).repeat(num_slots, 1)  # [S, (w, b)]
+        self.learning_rate = learning_rate
+
+    @staticmethod
+    def features(confidence: torch.Tensor) -> torch.Tensor:
+        return torch.logit(confidence.double().clamp(1e-4, 1 - 1e-4))
+
+    def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Per-slot conditional acceptance [c] from the drafter's top probabilities [c]."""
+        w, b = self.weights[: len(confidence)].unbind(-1)
+        return torch.sigmoid(w * self.features(confidence.cpu()) + b)
+
+    def observe(self, confidence: torch.Tensor, verified: int, accepted: int):
+        reached = min(accepted + 1, verified)  # slots 0 .. accepted were judged (the last one rejected, if verified)
+        x = self.features(confidence[:reached].cpu())
+        labels = (torch.arange(reached) < accepted).double()
+        error = self(confidence[:reached]) - labels  # d(log loss)/d(logit)
+        self.weights[:reached] -= self.learning_rate * torch.stack([error * x, error], -1)
+
+
+class NgramAcceptance:
+    """Prompt-lookup candidates' acceptance by position: accepted / reached counts with a uniform prior, so that the
+    first candidates are tried and the estimate follows what the prompt and output actually repeat."""
+
+    def __init__(self, max_tokens: int):
+        self.accepted = torch.zeros(max_tokens, dtype=torch.float64)
+        self.reached = torch.zeros(max_tokens, dtype=torch.float64)
+
+    def __call__(self, length: int) -> torch.Tensor:
+        return (self.accepted[:length] + 1) / (self.reached[:length] + 2)
+
+    def observe(self, verified: int, accepted: int):
+        reached = min(accepted + 1, verified)
+        self.reached[:reached] += 1
+        self.accepted[:accepted] += 1
+
+
+def best_length(survival: torch.Tensor, fixed_seconds: float, verify_costs: VerifyCosts) -> tuple[int, float, float]:
+    """(k, expected tokens, tokens per second) maximising (1 + sum_{i<=k} S_i) / (fixed_seconds + verify(k + 1)) over
+    k = 1 .. len(survival): the expected committed tokens of a round (the bonus token included) per second of it."""
+    best = (1, 1.0, 0.0)
+    for k in range(1, len(survival) + 1):
+        tokens = 1 + float(survival[:k].sum())
+        rate = tokens / (fixed_seconds + verify_costs(k + 1))
+        if rate > best[2]:
+            best = (k, tokens, rate)
+    return best
+
+
+@dataclass
+class PolicyState:
+    """What the adaptive policy has learnt about one drafter with one target and sampling mode (kept on the drafter,
+    so later generate calls start calibrated)."""
+
+    slots: SlotAcceptance
+    ngram: NgramAcceptance
+    draft_seconds: float | None = None  # one drafter proposal
+    drafted_tokens: float | None = None  # committed tokens per drafted round (accepted + bonus)
+    drafted_seconds: float | None = None  # seconds per drafted round (drafting + verification)
+    drafted_rounds: int = 0
+
+
+class SpeculationPolicy:
+    """`speculation_policy="adaptive"`: before drafting, the round's kind by expected committed tokens per second:
+    the drafter's block (its recent tokens per second), a prompt-lookup candidate (its acceptance by position, its
+    best length), or a plain step (1 / the measured cost of one row). After drafting, how many drafts to verify:
+    `best_length` over the calibrated per-slot acceptance. Not drafting costs nothing extra: the decision comes first.
+    Where drafting does not pay, it is skipped for a backoff (1, 2, 4, ... rounds, at most MAX_BACKOFF) and then
+    probed again. The costs are measured online (`VerifyCosts`), the acceptance models refit online (`SlotAcceptance`,
+    `NgramAcceptance`)."""
+
+    def __init__(self, state: PolicyState, verify_costs: VerifyCosts, ngram_max_tokens: int = 10):
+        self.state, self.verify_costs, self.ngram_max_tokens = state, verify_costs, ngram_max_tokens
+        self.skip_left, self.backoff, self.probing = 0, 1, False
+
+    @classmethod
+    def for_drafter(cls, drafter, target, do_sample: bool, ngram_max_tokens: int = 10):
+        states = drafter.__dict__.setdefault("_speculation_policy_states", {})
+        key = (verify_costs_for(target), do_sample)
+        if key not in states:
+            states[key] = PolicyState(SlotAcceptance(drafter.config.block_size - 1), NgramAcceptance(ngram_max_tokens))
+        return cls(states[key], verify_costs_for(target), ngram_max_tokens)
+
+    def choose_round(self, ids: torch.Tensor, max_candidates: int) -> tuple[str, torch.Tensor | None]:
+        """("draft", None), ("ngram", candidate tokens [m]) or ("plain", None) for the round after `ids` [L]."""
+        state, plain_seconds = self.state, self.verify_costs(1)
+        if state.drafted_rounds == 0 or self.probing:
+            return "draft", None
+        if plain_seconds is None:  # measure a plain step once: the policy's yardstick
+            return "plain", None
+        if state.drafted_rounds < WARMUP_DRAFTED_ROUNDS:
+            return "draft", None
+        rates = {"plain": 1 / plain_seconds}
+        ngram = ngram_candidate(ids, max_tokens=min(self.ngram_max_tokens, max_candidates))
+        if len(ngram):
+            k, _, rates["ngram"] = best_length(self.state.ngram(len(ngram)).cumprod(0), 0.0, self.verify_costs)
+            ngram = ngram[:k]
+        if self.skip_left > 0:
+            self.skip_left -= 1
+            self.probing = self.skip_left == 0
+        elif state.drafted_tokens / state.drafted_seconds >= rates["plain"]:
+            rates["draft"] = state.drafted_tokens / state.drafted_seconds
+        else:  # drafting does not pay here: skip it for a while, then probe it again
+            self.skip_left = self.backoff - 1
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+            self.probing = self.skip_left == 0
+        kind = max(rates, key=rates.get)
+        return kind, ngram if kind == "ngram" else None
+
+    def choose_num_drafts(self, confidence: torch.Tensor) -> tuple[int, float]:
+        """(drafts to verify, expected accepted) for a drafted block whose slots have the drafter's top probabilities
+        `confidence` [c]; every draft while warming up and every EXPLORE_EVERY-th round, so the labels cover all slots."""
+        survival = self.state.slots(confidence).cumprod(0)
+        exploring = self.state.drafted_rounds < WARMUP_DRAFTED_ROUNDS or self.state.drafted_rounds % EXPLORE_EVERY == 0
+        if exploring or self.verify_costs(2) is None or self.state.draft_seconds is None:
+            return len(confidence), float(survival.sum())
+        k, tokens, _ = best_length(survival, self.state.draft_seconds, self.verify_costs)
+        return k, tokens - 1
+
+    def observe(self, round: "DraftRound", confidence: torch.Tensor | None):
+        """Learn from a finished round: its costs, and its kind's acceptance."""
+        state = self.state
+        self.verify_costs.observe(round.proposed + 1, round.verify_seconds)
+        if round.kind == "ngram":
+            state.ngram.observe(round.proposed, round.accepted)
+        elif round.kind == "draft":
+            state.slots.observe(confidence, round.proposed, round.accepted)
+            state.draft_seconds = ema(state.draft_seconds, round.draft_seconds)
+            state.drafted_tokens = ema(state.drafted_tokens, round.accepted + 1)
+            state.drafted_seconds = ema(state.drafted_seconds, round.draft_seconds + round.verify_seconds)
+            state.drafted_rounds += 1
+            if self.probing:
+                self.probing = False
+                plain_seconds = self.verify_costs(1)
+                if plain_seconds and (round.accepted + 1) / (round.draft_seconds + round.verify_seconds) >= 1 / plain_seconds:
+                    self.backoff = 1  # the probe paid: drafting is back
+
+
 class CarryoverCandidateGenerator(CandidateGenerator):
     """Proposes blocks with a Carryover drafter from the target's hidden states of every verification forward."""
 
@@ -101,11 +328,18 @@ class CarryoverCandidateGenerator(CandidateGenerator):
 
     def __init__(
         self, target, drafter, generation_config, logits_processor=None, carryover=None, input_ids=None,
-        draft_confidence_threshold=None, num_assistant_tokens=None,
+        draft_confidence_threshold=None, num_assistant_tokens=None, speculation_policy=None,
     ):
         drafter.check_target(target.config)
         if draft_confidence_threshold is not None and not 0 < draft_confidence_threshold <= 1:
             raise ValueError(f"draft_confidence_threshold must be in (0, 1], got {draft_confidence_threshold}.")
+        if speculation_policy is None:  # the threshold is a fixed policy of its own
+            default = os.environ.get("CARRYOVER_SPECULATION_POLICY", "adaptive")
+            speculation_policy = "fixed" if draft_confidence_threshold is not None else default
+        if speculation_policy not in SPECULATION_POLICIES and not isinstance(speculation_policy, SpeculationPolicy):
+            raise ValueError(f"speculation_policy must be one of {SPECULATION_POLICIES}, got {speculation_policy!r}.")
+        if speculation_policy != "fixed" and draft_confidence_threshold is not None:
+            raise ValueError("draft_confidence_threshold is a fixed policy: use it with speculation_policy='fixed'.")
         if input_ids is not None and input_ids.shape[0] != 1:
             raise ValueError(
                 f"Carryover decoding takes one sequence at a time (batch size 1, as transformers' assisted generation); "
@@ -139,7 +373,13 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         self.stats = GenerationStats()
         drafter.generation_stats = self.stats
         self.current_round = None
+        self.current_confidence = None  # [c] the drafter's top probability at each slot of the current round
+        self.last_kind = None  # the kind of the round just verified: only a drafted round's rejected rows are carried
         self.verify_started = 0.0
+        # None: every round drafts (fixed); else the adaptive policy, which keeps what it learns on the drafter
+        self.policy = speculation_policy if isinstance(speculation_policy, SpeculationPolicy) else (
+            SpeculationPolicy.for_drafter(drafter, target, self.do_sample) if speculation_policy == "adaptive" else None
+        )
 
     # -- after each verification ---------------------------------------------------------------------------------
 
@@ -154,8 +394,10 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         self.pending = new if self.pending is None else tuple(torch.cat(p, 1) for p in zip(self.pending, new))
         self.num_committed += num_new
 
+        # Rows rejected in a prompt-lookup round are not the drafter's own branch (it was trained to read those), and a
+        # plain step rejects none: after either, the next proposal carries nothing.
         self.carried = None
-        if self.carryover and num_new < window.shape[1]:
+        if self.carryover and self.last_kind == "draft" and num_new < window.shape[1]:
             accepted_len = torch.tensor([num_new - 1], device=device)
             rows, row_position_ids, valid = self.drafter.rejected_rows(window, window_position_ids, accepted_len)
             num_rejected = int(valid.sum())  # valid rows are packed first
@@ -165,7 +407,8 @@ class CarryoverCandidateGenerator(CandidateGenerator):
 
     @torch.no_grad()
     def _propose(self, input_ids, num_drafts):
-        """Draft `num_drafts` tokens after `input_ids`. Returns candidates [1, L + c] and processed logits [1, c, V]."""
+        """Draft `num_drafts` tokens after `input_ids`. Returns candidates [1, L + c], the processed logits the drafts
+        were drawn from [1, c, V] (None for plain greedy decoding) and the drafter's top probability at each slot [c]."""
         device = self.drafter.device
         anchor_position_ids = torch.tensor([input_ids.shape[1] - 1], device=device)
         block_ids, block_position_ids = self.drafter.block_inputs(input_ids[:, -1].to(device), anchor_position_ids)
@@ -196,10 +439,13 @@ class CarryoverCandidateGenerator(CandidateGenerator):
     def _choose_drafts(self, input_ids, logits):
         """Pick drafts slot by slot as the target will judge them: logits processors see the sequence so far and the
         Markov head the previous choice. The returned logits are exactly those each draft was drawn from, over the
-        target's vocabulary (-inf outside a draft vocabulary: q = 0 there). logits [c, scored vocab]"""
+        target's vocabulary (-inf outside a draft vocabulary: q = 0 there), and the top probability of each (slot k's
+        depends on the drafts before it only, never on its own draft, so trimming by it keeps sampling exact).
+        logits [c, scored vocab]"""
         if not (self.do_sample or len(self.logits_processor)):  # plain greedy: the rule training uses too
-            drafts = self.drafter.draft_tokens(logits, input_ids[0, -1].to(logits.device))
-            return torch.cat([input_ids, drafts[None].to(input_ids.device)], dim=-1), None
+            drafts, chosen_from = self.drafter.draft_tokens(logits, input_ids[0, -1].to(logits.device), return_logits=True)
+            confidence = chosen_from.float().softmax(-1).amax(-1)
+            return torch.cat([input_ids, drafts[None].to(input_ids.device)], dim=-1), None, confidence
         sequence, previous, chosen_from = input_ids, input_ids[:, -1], []
         logits = logits.to(input_ids.device)  # processors index with the sequence
         for slot_logits in logits.split(1):  # [1, scored vocab]
@@ -216,7 +462,8 @@ class CarryoverCandidateGenerator(CandidateGenerator):
             sequence = torch.cat([sequence, draft.to(sequence.device)], dim=-1)
             previous = draft[:, 0]
             chosen_from.append(slot_logits)
-        return sequence, torch.stack(chosen_from, dim=1)
+        chosen_from = torch.stack(chosen_from, dim=1)  # [1, c, V]
+        return sequence, chosen_from, chosen_from[0].softmax(-1).amax(-1)
 
     # -- the CandidateGenerator interface ------------------------------------------------------------------------
 
@@ -225,30 +472,55 @@ class CarryoverCandidateGenerator(CandidateGenerator):
             return input_ids, None
         started = time.perf_counter()
         self._absorb_verification(input_ids, model_outputs)
-        num_drafts = min(self.max_drafts, self.max_length - input_ids.shape[1] - 1)  # leave room for the bonus
-        if num_drafts <= 0:
+        room = self.max_length - input_ids.shape[1] - 1  # leave room for the bonus token
+        if room <= 0:  # the last token: a plain step, not a policy's round
+            self.last_kind = None
             return input_ids, None
-        candidates, candidate_logits = self._propose(input_ids, num_drafts)
+        kind, ngram = "draft", None
+        if self.policy is not None:
+            kind, ngram = self.policy.choose_round(input_ids[0], room)
+        policy_seconds = time.perf_counter() - started
+        candidate_logits, confidence, predicted = None, None, None
+        if kind == "draft":
+            candidates, candidate_logits, confidence = self._propose(input_ids, min(self.max_drafts, room))
+            if self.policy is not None:
+                chosen = time.perf_counter()
+                num_drafts, predicted = self.policy.choose_num_drafts(confidence)
+                candidates = candidates[:, : input_ids.shape[1] + num_drafts]
+                candidate_logits = None if candidate_logits is None else candidate_logits[:, :num_drafts]
+                policy_seconds += time.perf_counter() - chosen
+        elif kind == "ngram":
+            # a point mass on each candidate token: with no candidate logits transformers samples the target's token
+            # at each position and keeps the candidate while they agree, which accepts it with probability p(token)
+            # and otherwise emits a token from p restricted to the others (speculative sampling with q = 1)
+            candidates = torch.cat([input_ids, ngram[None, :room].to(input_ids.device)], dim=-1)
+        else:
+            candidates = input_ids
         _synchronize(self.drafter.device)
         self.verify_started = time.perf_counter()
-        carried = 0 if self.carried is None else self.carried[0].shape[2]
+        self.last_kind, self.current_confidence = kind, confidence
         self.current_round = DraftRound(
             anchor_position=input_ids.shape[1] - 1,
             proposed=candidates.shape[1] - input_ids.shape[1],
-            carried=carried,
+            carried=0 if self.carried is None or kind != "draft" else self.carried[0].shape[2],
             committed_rows=self.cache.get_seq_length(),
             drafts=candidates[0, input_ids.shape[1] :].tolist(),
             draft_seconds=self.verify_started - started,
+            kind=kind,
+            predicted_accepted=predicted,
+            policy_seconds=policy_seconds,
         )
         return candidates, candidate_logits if self.do_sample else None
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        if self.current_round is None:  # that forward was a plain target step
+        if self.current_round is None:  # that forward was a plain target step outside the policy
             return
         _synchronize(input_ids.device)
         self.current_round.accepted = int(num_matches)
         self.current_round.verify_seconds = time.perf_counter() - self.verify_started
         self.stats.rounds.append(self.current_round)
+        if self.policy is not None:
+            self.policy.observe(self.current_round, self.current_confidence)
         self.current_round = None
 
 
@@ -313,6 +585,7 @@ def carryover_decoding(
     carryover_streamer=None,
     draft_confidence_threshold=None,
     carryover_num_assistant_tokens=None,
+    speculation_policy=None,
     inputs_tensor=None,
     **model_kwargs,
 ):
@@ -330,6 +603,7 @@ def carryover_decoding(
     generator = CarryoverCandidateGenerator(
         model, carryover_drafter, generation_config, logits_processor, carryover=carryover, input_ids=input_ids,
         draft_confidence_threshold=draft_confidence_threshold, num_assistant_tokens=carryover_num_assistant_tokens,
+        speculation_policy=speculation_policy or getattr(generation_config, "speculation_policy", None),
     )
     if carryover_streamer is not None:
         carryover_streamer.put(input_ids.cpu())
@@ -368,7 +642,8 @@ def _stop_strings_as_criterion(model, kwargs):
 
 
 def generate(
-    model, *args, assistant_model=None, carryover=None, streamer=None, draft_confidence_threshold=None, **kwargs
+    model, *args, assistant_model=None, carryover=None, streamer=None, draft_confidence_threshold=None,
+    speculation_policy=None, **kwargs
 ):
     """Speculative decoding of `model` (the target) with a Carryover drafter as `assistant_model`.
 
@@ -376,10 +651,13 @@ def generate(
     custom_generate=<drafter folder>, trust_remote_code=True)`) and the in-process API
     (`modeling_carryover.generate(target, **inputs, assistant_model=drafter, max_new_tokens=...)`).
     `carryover=False` decodes with the same weights but without carried rows (the paper's OFF); the default is the
-    drafter config's `carryover`. `draft_confidence_threshold` (in (0, 1]) verifies only the leading drafts whose
-    running product of the drafter's top probabilities stays at or above it (at least one a round; `confident_drafts`),
-    within `num_assistant_tokens` (drafts per round; unset: all `block_size - 1`). Afterwards
-    `assistant_model.generation_stats` holds the per-round records.
+    drafter config's `carryover`. `speculation_policy` (or the generation config's field of that name; default: the
+    environment's CARRYOVER_SPECULATION_POLICY, else "adaptive"): "adaptive" chooses each round between the drafter's block (and how many of its drafts to verify), a
+    prompt-lookup candidate and a plain step by expected tokens per second (`SpeculationPolicy`); "fixed" drafts every
+    round and verifies all its drafts, or with `draft_confidence_threshold` (in (0, 1]) only the leading drafts whose
+    running product of the drafter's top probabilities stays at or above it (at least one a round;
+    `confident_drafts`). Both stay within `num_assistant_tokens` (drafts per round; unset: all `block_size - 1`).
+    Afterwards `assistant_model.generation_stats` holds the per-round records.
     """
     if assistant_model is None or not hasattr(assistant_model, "block_inputs"):
         raise ValueError(
@@ -398,5 +676,6 @@ def generate(
         carryover_streamer=streamer,
         draft_confidence_threshold=draft_confidence_threshold,
         carryover_num_assistant_tokens=kwargs.pop("num_assistant_tokens", None),
+        speculation_policy=speculation_policy,
         **kwargs,
     )

@@ -87,6 +87,21 @@ def test_config_and_token_map_are_validated():
         make_drafter(target).set_draft_vocab([1, 2, 3])
 
 
+def test_a_token_map_changed_in_place_scores_its_new_rows():
+    """The gathered LM-head rows are cached (`draft_head_weight`): a token map changed in place after a forward (same
+    storage, a new version) must score its own rows, not the cached ones of the old map."""
+    target = make_target().requires_grad_(False)  # a frozen head: the one whose rows are cached
+    drafter = make_drafter(target, draft_vocab_size=4)
+    drafter.set_draft_vocab([1, 2, 3, 4])
+    hidden = torch.randn(2, target.config.hidden_size)
+    with torch.no_grad():
+        before = drafter.draft_logits(target.lm_head, hidden)
+        drafter.draft_token_ids.copy_(torch.tensor([5, 6, 7, 8]))
+        after = drafter.draft_logits(target.lm_head, hidden)
+    torch.testing.assert_close(after, hidden @ target.lm_head.weight[5:9].T)
+    assert not torch.allclose(before, after)
+
+
 def test_drafts_live_on_the_draft_vocabulary():
     target, drafter, _, trainer = draft_vocab_drafter()
     assert torch.equal(drafter.to_target_ids(drafter.to_draft_ids(drafter.draft_token_ids)), drafter.draft_token_ids)
