@@ -14,17 +14,16 @@ Each round (batch size 1, like all assisted generation in transformers):
   1. the target's last verification forward returned hidden states for the window `[anchor, draft_1 .. draft_c]`;
   2. the anchor and the accepted drafts become committed drafter context (their keys/values are cached);
   3. with carryover, the rejected drafts' rows (+ E_carry) become read-only context for the next proposal only;
-  4. the speculation policy chooses the round: by default (`SpeculationPolicy`) the drafter's block, a prompt-lookup
-     candidate or a plain step, by expected tokens per second; the drafter proposes up to `block_size - 1` tokens
-     (or `num_assistant_tokens`) for the block `[new anchor, MASK ...]`, of which the policy verifies the ones worth
-     it (with `speculation_policy="fixed"`: all of them, or with `draft_confidence_threshold` only as many as it is
-     confident in, `confident_drafts`);
+  4. the drafter proposes up to `block_size - 1` tokens (or `num_assistant_tokens`) for the block `[new anchor,
+     MASK ...]`, all verified (the fixed policy, the default), or with `draft_confidence_threshold` only as many as it
+     is confident in (`confident_drafts`); with `speculation_policy="adaptive"` (`SpeculationPolicy`) each round is
+     the drafter's block (its drafts worth verifying), a prompt-lookup candidate or a plain step, by expected tokens
+     per second;
   5. transformers verifies them (greedy match or exact speculative sampling) and crops its own cache.
 """
 
 import contextlib
 import copy
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -123,17 +122,20 @@ EXPLORE_EVERY = 8  # then every 8th drafted round verifies every draft, so late 
 MAX_BACKOFF = 32  # rounds without drafting, at most, before the drafter is probed again
 
 
-def ngram_candidate(ids: torch.Tensor, max_ngram: int = 3, max_tokens: int = 10) -> torch.Tensor:
+MAX_NGRAM = 3
+
+
+def ngram_candidate(ids: torch.Tensor, max_ngram: int = MAX_NGRAM, max_tokens: int = 10) -> tuple[torch.Tensor, int]:
     """Prompt lookup (transformers' `prompt_lookup_num_tokens`, vLLM's n-gram proposer): the up to `max_tokens` tokens
-    that followed the most recent earlier occurrence of the sequence's last n tokens, n from `max_ngram` down to 1;
-    empty when no n-gram recurs. No model, no training. ids [L] -> [m]"""
+    that followed the most recent earlier occurrence of the sequence's last n tokens, n from `max_ngram` down to 1,
+    and that n; empty (and 0) when no n-gram recurs. No model, no training. ids [L] -> ([m], n)"""
     for n in range(min(max_ngram, ids.shape[0] - 1), 0, -1):
         earlier = ids.unfold(0, n, 1)[:-1]  # [L - n, n]: every n-gram but the sequence's own tail
         starts = (earlier == ids[-n:]).all(-1).nonzero()
         if len(starts):
             start = int(starts[-1]) + n  # the most recent occurrence: repetition is local
-            return ids[start : start + max_tokens]
-    return ids[:0]
+            return ids[start : start + max_tokens], n
+    return ids[:0], 0
 
 
 def ema(average: float | None, value: float) -> float:
@@ -150,6 +152,12 @@ class VerifyCosts:
         self.seconds = {}  # rows -> seconds
 
     def observe(self, rows: int, seconds: float):
+        """A measured forward of `rows` rows. Where the machine as a whole got slower or faster (another process),
+        the row counts not measured now move along by the same factor, so that a rarely chosen one (the plain step,
+        where drafting pays) does not go stale."""
+        if rows in self.seconds:  # the same factor by which this count's own average moves now
+            drift = 1 + EMA * (seconds / self.seconds[rows] - 1)
+            self.seconds = {r: s * drift if r != rows else s for r, s in self.seconds.items()}
         self.seconds[rows] = ema(self.seconds.get(rows), seconds)
 
     def __call__(self, rows: int) -> float | None:
@@ -204,20 +212,22 @@ class SlotAcceptance:
 
 
 class NgramAcceptance:
-    """Prompt-lookup candidates' acceptance by position: accepted / reached counts with a uniform prior, so that the
-    first candidates are tried and the estimate follows what the prompt and output actually repeat."""
+    """Prompt-lookup candidates' acceptance by position and by the length n of the n-gram that matched (a longer match
+    repeats more reliably): accepted / reached counts with a uniform prior, so that the first candidates are tried
+    and the estimate follows what the prompt and output actually repeat."""
 
     def __init__(self, max_tokens: int):
-        self.accepted = torch.zeros(max_tokens, dtype=torch.float64)
-        self.reached = torch.zeros(max_tokens, dtype=torch.float64)
+        self.accepted = torch.zeros(MAX_NGRAM + 1, max_tokens, dtype=torch.float64)
+        self.reached = torch.zeros(MAX_NGRAM + 1, max_tokens, dtype=torch.float64)
 
-    def __call__(self, length: int) -> torch.Tensor:
-        return (self.accepted[:length] + 1) / (self.reached[:length] + 2)
+    def __call__(self, n: int, length: int) -> torch.Tensor:
+        """Per-position conditional acceptance [length] of a candidate from an n-gram match."""
+        return (self.accepted[n, :length] + 1) / (self.reached[n, :length] + 2)
 
-    def observe(self, verified: int, accepted: int):
+    def observe(self, n: int, verified: int, accepted: int):
         reached = min(accepted + 1, verified)
-        self.reached[:reached] += 1
-        self.accepted[:accepted] += 1
+        self.reached[n, :reached] += 1
+        self.accepted[n, :accepted] += 1
 
 
 def best_length(survival: torch.Tensor, fixed_seconds: float, verify_costs: VerifyCosts) -> tuple[int, float, float]:
@@ -257,6 +267,7 @@ class SpeculationPolicy:
     def __init__(self, state: PolicyState, verify_costs: VerifyCosts, ngram_max_tokens: int = 10):
         self.state, self.verify_costs, self.ngram_max_tokens = state, verify_costs, ngram_max_tokens
         self.skip_left, self.backoff, self.probing = 0, 1, False
+        self.ngram_size = 0  # n of the n-gram behind the current candidate
 
     @classmethod
     def for_drafter(cls, drafter, target, do_sample: bool, ngram_max_tokens: int = 10):
@@ -276,9 +287,10 @@ class SpeculationPolicy:
         if state.drafted_rounds < WARMUP_DRAFTED_ROUNDS:
             return "draft", None
         rates = {"plain": 1 / plain_seconds}
-        ngram = ngram_candidate(ids, max_tokens=min(self.ngram_max_tokens, max_candidates))
+        ngram, self.ngram_size = ngram_candidate(ids, max_tokens=min(self.ngram_max_tokens, max_candidates))
         if len(ngram):
-            k, _, rates["ngram"] = best_length(self.state.ngram(len(ngram)).cumprod(0), 0.0, self.verify_costs)
+            survival = self.state.ngram(self.ngram_size, len(ngram)).cumprod(0)
+            k, _, rates["ngram"] = best_length(survival, 0.0, self.verify_costs)
             ngram = ngram[:k]
         if self.skip_left > 0:
             self.skip_left -= 1
@@ -307,7 +319,7 @@ class SpeculationPolicy:
         state = self.state
         self.verify_costs.observe(round.proposed + 1, round.verify_seconds)
         if round.kind == "ngram":
-            state.ngram.observe(round.proposed, round.accepted)
+            state.ngram.observe(self.ngram_size, round.proposed, round.accepted)
         elif round.kind == "draft":
             state.slots.observe(confidence, round.proposed, round.accepted)
             state.draft_seconds = ema(state.draft_seconds, round.draft_seconds)
@@ -333,9 +345,8 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         drafter.check_target(target.config)
         if draft_confidence_threshold is not None and not 0 < draft_confidence_threshold <= 1:
             raise ValueError(f"draft_confidence_threshold must be in (0, 1], got {draft_confidence_threshold}.")
-        if speculation_policy is None:  # the threshold is a fixed policy of its own
-            default = os.environ.get("CARRYOVER_SPECULATION_POLICY", "adaptive")
-            speculation_policy = "fixed" if draft_confidence_threshold is not None else default
+        # "fixed" stays the default until the adaptive policy is measured to win on a quiet machine
+        speculation_policy = speculation_policy or "fixed"
         if speculation_policy not in SPECULATION_POLICIES and not isinstance(speculation_policy, SpeculationPolicy):
             raise ValueError(f"speculation_policy must be one of {SPECULATION_POLICIES}, got {speculation_policy!r}.")
         if speculation_policy != "fixed" and draft_confidence_threshold is not None:
@@ -651,12 +662,12 @@ def generate(
     custom_generate=<drafter folder>, trust_remote_code=True)`) and the in-process API
     (`modeling_carryover.generate(target, **inputs, assistant_model=drafter, max_new_tokens=...)`).
     `carryover=False` decodes with the same weights but without carried rows (the paper's OFF); the default is the
-    drafter config's `carryover`. `speculation_policy` (or the generation config's field of that name; default: the
-    environment's CARRYOVER_SPECULATION_POLICY, else "adaptive"): "adaptive" chooses each round between the drafter's block (and how many of its drafts to verify), a
+    drafter config's `carryover`. `speculation_policy` (or the generation config's field of that name): "adaptive"
+    chooses each round between the drafter's block (and how many of its drafts to verify), a
     prompt-lookup candidate and a plain step by expected tokens per second (`SpeculationPolicy`); "fixed" drafts every
     round and verifies all its drafts, or with `draft_confidence_threshold` (in (0, 1]) only the leading drafts whose
     running product of the drafter's top probabilities stays at or above it (at least one a round;
-    `confident_drafts`). Both stay within `num_assistant_tokens` (drafts per round; unset: all `block_size - 1`).
+    `confident_drafts`); "fixed" is the default. Both stay within `num_assistant_tokens` (drafts per round; unset: all `block_size - 1`).
     Afterwards `assistant_model.generation_stats` holds the per-round records.
     """
     if assistant_model is None or not hasattr(assistant_model, "block_inputs"):

@@ -3,9 +3,6 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers/huggingface_hub read it: no network in tests
-# Tests of the drafter's mechanics (proposals, carried rows, round trips, parity) need every round drafted and fully
-# verified, whatever the machine's timings: the fixed policy. The adaptive policy's tests (test_policy.py) ask for it.
-os.environ.setdefault("CARRYOVER_SPECULATION_POLICY", "fixed")
 
 import pytest
 import torch

@@ -29,10 +29,13 @@ from modeling_carryover.generation_carryover import (
 def test_ngram_candidate_continues_the_most_recent_longest_match():
     ids = torch.tensor([5, 1, 2, 3, 9, 8, 1, 2, 3, 7, 6, 4, 2, 3])
     # the tail's 3-gram (4, 2, 3) never occurred before; its 2-gram (2, 3) did, most recently at positions 7-8
-    assert ngram_candidate(ids, max_ngram=3, max_tokens=4).tolist() == [7, 6, 4, 2]
-    assert ngram_candidate(torch.tensor([1, 2, 3, 1, 2, 3]), max_tokens=2).tolist() == [1, 2]  # n = 3 first
-    assert ngram_candidate(torch.tensor([1, 2, 3, 4])).numel() == 0  # nothing recurs
-    assert ngram_candidate(torch.tensor([7])).numel() == 0
+    candidate, n = ngram_candidate(ids, max_ngram=3, max_tokens=4)
+    assert (candidate.tolist(), n) == ([7, 6, 4, 2], 2)
+    candidate, n = ngram_candidate(torch.tensor([1, 2, 3, 1, 2, 3]), max_tokens=2)
+    assert (candidate.tolist(), n) == ([1, 2], 3)  # the longest match first
+    assert ngram_candidate(torch.tensor([1, 2, 3, 4]))[0].numel() == 0  # nothing recurs
+    candidate, n = ngram_candidate(torch.tensor([7]))
+    assert candidate.numel() == 0 and n == 0
 
 
 def test_verify_costs_interpolate_between_measured_row_counts_and_follow_the_machine():
@@ -41,9 +44,10 @@ def test_verify_costs_interpolate_between_measured_row_counts_and_follow_the_mac
     assert costs(1) == 0.010 and costs(8) is None  # one row count measured: nothing to interpolate from
     costs.observe(8, 0.024)
     assert costs(4) == pytest.approx(0.016) and costs(10) == pytest.approx(0.028)  # linear, extrapolated past 8
-    for _ in range(30):  # the machine slows down (a second process): the moving average follows it
-        costs.observe(1, 0.020)
-    assert costs(1) == pytest.approx(0.020, rel=0.01)
+    for _ in range(30):  # the machine slows down (a second process): the moving average follows it...
+        costs.observe(8, 0.048)
+    assert costs(8) == pytest.approx(0.048, rel=0.01)
+    assert costs(1) == pytest.approx(0.020, rel=0.01)  # ...and the plain step, not measured meanwhile, moves along
 
 
 def test_slot_acceptance_calibrates_the_drafters_confidence_online():
@@ -78,8 +82,8 @@ def policy_with(drafted_tokens, drafted_seconds, plain_seconds=0.010, row_second
     state = PolicyState(SlotAcceptance(7), NgramAcceptance(10), draft_seconds=0.002, drafted_tokens=drafted_tokens,
                         drafted_seconds=drafted_seconds, drafted_rounds=WARMUP_DRAFTED_ROUNDS + 1)
     if ngram_accepted is not None:
-        state.ngram.reached += 100
-        state.ngram.accepted += ngram_accepted * 100
+        state.ngram.reached[:] += 100
+        state.ngram.accepted[:] += ngram_accepted * 100
     costs = VerifyCosts()
     costs.observe(1, plain_seconds), costs.observe(8, plain_seconds + 7 * row_seconds)
     return SpeculationPolicy(state, costs)
@@ -120,7 +124,7 @@ class SchedulePolicy(SpeculationPolicy):
     def choose_round(self, ids, max_candidates):
         kind = next(self.kinds)
         if kind == "ngram":
-            candidate = ngram_candidate(ids, max_tokens=min(4, max_candidates))
+            candidate, self.ngram_size = ngram_candidate(ids, max_tokens=min(4, max_candidates))
             return ("ngram", candidate) if len(candidate) else ("plain", None)
         return kind, None
 
