@@ -44,10 +44,17 @@ def embedded_subsets() -> dict[str, list[str]]:
 def read_subset(path: Path) -> list[str]:
     """The `prompt` of every record of one JSONL file; names the file and its fields when `prompt` is missing."""
     prompts = []
-    for line_number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}): save it as UTF-8.") from None
+    for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}, line {line_number}: not valid JSON ({error.msg}, column {error.colno}).") from None
         if not isinstance(record, dict) or "prompt" not in record:
             fields = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise ValueError(f"{path}, line {line_number}: a record has no `prompt` field (its fields: {fields}).")

@@ -3,8 +3,10 @@ that override it (a recipe and one run's changes). Every script also takes `--th
 here before any model work."""
 
 import json
+import re
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import yaml
@@ -47,7 +49,47 @@ def parse_arguments(dataclass_types, argv: list[str] | None = None) -> tuple:
     if argv and argv[0].endswith((".json", ".yaml", ".yml")):
         argv = config_file_flags(argv[0]) + argv[1:]  # argparse keeps the last value given: the flags win
     *parsed, runtime = parser.parse_args_into_dataclasses(argv)
-    if runtime.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {runtime.threads}")
+    check_at_least("threads", runtime.threads, 1)
     torch.set_num_threads(runtime.threads)
     return tuple(parsed)
+
+
+def run_cli(main) -> None:
+    """Run a script's `main()`: an error about its inputs (a ValueError or OSError, whose message names the problem and
+    the fix) ends the process with that message and exit status 1, not a traceback; other errors keep theirs."""
+    try:
+        main()
+    except (ValueError, OSError) as error:
+        sys.exit(f"error: {error}")
+
+
+# Argument checks, called from the argument dataclasses' __post_init__: before any model is loaded.
+
+
+def check_at_least(name: str, value, low, what: str = "") -> None:
+    """`--name` (each value of a list) must be >= `low`; None (unset) passes."""
+    for v in value if isinstance(value, (list, tuple)) else [value]:
+        if v is not None and v < low:
+            raise ValueError(f"--{name} must be at least {low}{what}, got {v}.")
+
+
+def check_between(name: str, value, low, high) -> None:
+    """`--name` must lie in [low, high]; None (unset) passes."""
+    if value is not None and not low <= value <= high:
+        raise ValueError(f"--{name} must be between {low} and {high}, got {value}.")
+
+
+FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".gz", ".bz2", ".xz", ".zst", ".yaml", ".yml", ".txt")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # name or org/name
+
+
+def check_exists(name: str, value, hub: bool = False) -> None:
+    """A path argument must exist. `hub`: a value shaped like a Hub repo id (name or org/name) may name one instead; a
+    missing local path (./x, /x, a/b/c, ~/x) is reported as such, not as a bad Hub id."""
+    for v in value if isinstance(value, (list, tuple)) else [value]:
+        if v is None or Path(v).expanduser().exists():
+            continue
+        if hub and _HUB_ID.match(v) and Path(v).suffix not in FILE_SUFFIXES:
+            continue
+        where = " (and it is not shaped like a Hub id, org/name)" if hub else ""
+        raise ValueError(f"--{name} {v}: no such file or folder{where}. Check the path.")

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from carryover_common.checkpoints import check_model_folder
+from carryover_common.cli import check_exists
 from modeling_carryover.modeling_carryover import OneDNNLinear
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,11 @@ class TargetArguments:
     )
     target_adapter: str | None = field(default=None, metadata={"help": "A PEFT adapter merged into the target."})
     target_dtype: str = field(default="float32", metadata={"choices": ["float32", "bfloat16", "float16"]})
+
+    def __post_init__(self):
+        check_exists("target", self.target, hub=True)
+        check_model_folder(self.target)
+        check_exists("target_adapter", self.target_adapter, hub=True)
 
     @property
     def torch_dtype(self):

@@ -22,14 +22,15 @@ baseline (`--baseline`, never with carried rows). The ON replay reproduces the r
 import math
 import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from carryover_common.benchmarks import EMBEDDED, encode_prompt, load_benchmark
-from carryover_common.cli import parse_arguments
+from carryover_common.checkpoints import check_drafter_folder, check_model_folder
+from carryover_common.cli import check_at_least, check_exists, parse_arguments, run_cli
+from carryover_common.outputs import check_output_dir, staged_folder
 from carryover_common.targets import load_target
 from evaluation.plots import plot_attention, plot_recall, plot_reconvergence
 from evaluation.run import load_drafters, parse_drafter, provenance, tau, to_json
@@ -52,7 +53,22 @@ class AnalysisArguments:
     ks: list[int] = field(default_factory=lambda: [1, 16], metadata={"help": "recall: the k of Recall@k."})
     output_dir: str = field(default="outputs/analysis")
     device: str | None = field(default=None, metadata={"help": "Default: cuda if available, else cpu."})
-    dtype: str = field(default="float32")
+    dtype: str = field(default="float32", metadata={"choices": ["float32", "bfloat16", "float16"]})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Replace this analysis's earlier <analysis>.json/.png in output_dir."}
+    )
+
+    def __post_init__(self):
+        for name in ("drafter", "baseline"):
+            check_exists(name, getattr(self, name), hub=True)
+            check_drafter_folder(getattr(self, name))
+        check_exists("target", self.target, hub=True)
+        check_model_folder(self.target)
+        if self.benchmark != EMBEDDED:
+            check_exists("benchmark", self.benchmark, hub=True)
+        check_at_least("limit", self.limit, 1, " prompt per subset (unset: all)")
+        check_at_least("max_new_tokens", self.max_new_tokens, 1)
+        check_at_least("ks", self.ks, 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -341,19 +357,18 @@ def run_analysis(command, args: AnalysisArguments) -> dict:
         "replay_reproduces_generate": state["reproduced"] / state["rounds"],
         "verification_agrees_with_generate": state["verified"] / state["rounds"],
     }
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    if command == "recall":
-        summary.update(summarize_recall(per_subset, args.ks))
-        plot_recall(summary, output_dir / "recall.png")
-    elif command == "reconvergence":
-        summary.update(summarize_reconvergence(per_subset))
-        plot_reconvergence(summary["subsets"], summary["correlation"], output_dir / "reconvergence.png")
-    else:
-        summary.update(summarize_attention(per_subset))
-        plot_attention(summary["by_carried_rows"], output_dir / "attention.png")
-    summary["provenance"] = provenance({**asdict(args), "analysis": command}, device)
-    (output_dir / f"{command}.json").write_text(to_json(summary))
+    with staged_folder(args.output_dir) as output_dir:  # moved into output_dir once both files are written
+        if command == "recall":
+            summary.update(summarize_recall(per_subset, args.ks))
+            plot_recall(summary, output_dir / "recall.png")
+        elif command == "reconvergence":
+            summary.update(summarize_reconvergence(per_subset))
+            plot_reconvergence(summary["subsets"], summary["correlation"], output_dir / "reconvergence.png")
+        else:
+            summary.update(summarize_attention(per_subset))
+            plot_attention(summary["by_carried_rows"], output_dir / "attention.png")
+        summary["provenance"] = provenance({**asdict(args), "analysis": command}, device)
+        (output_dir / f"{command}.json").write_text(to_json(summary))
     return summary
 
 
@@ -404,11 +419,18 @@ def summarize_attention(per_subset) -> dict:
     }
 
 
+ARGUMENT_CLASSES = (AnalysisArguments,)
+
+
 def parse_args(argv=None) -> tuple[str, AnalysisArguments]:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:
         raise SystemExit(f"usage: analyze.py {{{','.join(COMMANDS)}}} [--flags | config.json | config.yaml]")
-    return argv[0], parse_arguments(AnalysisArguments, argv[1:])[0]
+    command, (args,) = argv[0], parse_arguments(ARGUMENT_CLASSES, argv[1:])
+    inputs = [args.drafter, args.baseline, args.target, args.benchmark if args.benchmark != EMBEDDED else None]
+    check_output_dir(args.output_dir, inputs=inputs, files={f"{command}.json", f"{command}.png"},
+                     overwrite=args.overwrite_output_dir)
+    return command, args
 
 
 def main(argv=None) -> dict:
@@ -418,4 +440,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

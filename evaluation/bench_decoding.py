@@ -113,9 +113,12 @@ def benchmark_drafter(args, target, dtype):
     return load_drafter(args.drafter, target, dtype)
 
 
+ARGUMENT_CLASSES = (BenchArguments,)
+
+
 @torch.no_grad()
 def main(argv=None):
-    (args,) = parse_arguments(BenchArguments, argv)
+    (args,) = parse_arguments(ARGUMENT_CLASSES, argv)
     dtype = getattr(torch, args.dtype)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)

@@ -101,8 +101,11 @@ def training_seconds_per_step(target, drafters, args) -> dict:
     return {size: statistics.fmean(values) for size, values in seconds.items()}
 
 
+ARGUMENT_CLASSES = (BenchArguments,)
+
+
 def main(argv=None):
-    (args,) = parse_arguments(BenchArguments, argv)
+    (args,) = parse_arguments(ARGUMENT_CLASSES, argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer = load_target(args.target, device=device)
     drafters = {size: drafter_for(target, size, args) for size in [*args.sizes, FULL]}

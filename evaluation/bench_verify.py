@@ -105,8 +105,11 @@ def measure(args, dtype_name: str, backend: str, threads: int) -> dict:
     return entry
 
 
+ARGUMENT_CLASSES = (BenchArguments,)
+
+
 def main(argv=None):
-    (args,) = parse_arguments(BenchArguments, argv)
+    (args,) = parse_arguments(ARGUMENT_CLASSES, argv)
     report = {"settings": asdict(args), "results": []}
     for dtype_name in args.dtypes:
         for backend in args.linear_backends if dtype_name == "float32" else ["default"]:

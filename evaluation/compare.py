@@ -22,6 +22,11 @@ class CompareArguments:
     runs: list[str] = field(metadata={"help": "evaluation/run.py output folders (each with its records.jsonl.gz)."})
     gains: list[str] = field(metadata={"help": "NAME=REFERENCE pairs of drafters recorded in the runs."})
 
+    def __post_init__(self):
+        for run in self.runs:
+            if not (Path(run) / RunRecords.FILE).is_file():
+                raise ValueError(f"--runs {run} has no {RunRecords.FILE}: give folders that evaluation/run.py wrote.")
+
 
 # Settings that define what a prompt's tau measures: runs that differ in them are not paired.
 PAIRED_SETTINGS = ("target", "max_new_tokens")
@@ -80,9 +85,12 @@ def gain(recorded: dict, name: str, reference: str) -> dict:
     }
 
 
+ARGUMENT_CLASSES = (CompareArguments,)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    (args,) = parse_arguments(CompareArguments, argv)
     try:
+        (args,) = parse_arguments(ARGUMENT_CLASSES, argv)
         pairs = [pair.partition("=") for pair in args.gains]
         if any(not sep for _, sep, _ in pairs):
             raise ValueError(f"--gains takes NAME=REFERENCE pairs, got {args.gains}.")

@@ -17,7 +17,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from carryover_common.cli import parse_arguments
+from carryover_common.cli import check_at_least, check_exists, parse_arguments, run_cli
+from carryover_common.outputs import check_output_dir
 from carryover_common.targets import TargetArguments, load_target
 from trainer.data import (
     deduplicate,
@@ -40,6 +41,17 @@ class HeldoutArguments:
     seed: int = field(default=1, metadata={"help": "python-code draw and Magpie sampling seed (training used 0)."})
     magpie_max_new_tokens: int = field(default=64, metadata={"help": "Length cap of a synthesised user turn."})
     magpie_batch_size: int = field(default=32)
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Replace earlier <subset>.jsonl files."})
+
+    def __post_init__(self):
+        check_exists("data_dir", self.data_dir)
+        unknown = set(self.subsets) - set(SUBSETS)
+        if unknown:
+            raise ValueError(f"--subsets {sorted(unknown)}: held-out subsets are {list(SUBSETS)}.")
+        for name in ("num_prompts", "magpie_max_new_tokens", "magpie_batch_size"):
+            check_at_least(name, getattr(self, name), 1)
+        check_output_dir(self.output_dir, inputs=[self.data_dir], files={f"{name}.jsonl" for name in self.subsets},
+                         overwrite=self.overwrite_output_dir)
 
 
 def heldout_python_code(training_prompts: list[str], num_prompts: int, seed: int) -> list[str]:
@@ -58,11 +70,11 @@ def heldout_magpie(target, tokenizer, training_prompts: list[str], args: Heldout
     return unseen[: args.num_prompts]
 
 
+ARGUMENT_CLASSES = (HeldoutArguments, TargetArguments)
+
+
 def main(argv=None) -> dict:
-    args, target_args = parse_arguments((HeldoutArguments, TargetArguments), argv)
-    unknown = set(args.subsets) - set(SUBSETS)
-    if unknown:
-        raise ValueError(f"--subsets {sorted(unknown)}: held-out subsets are {list(SUBSETS)}.")
+    args, target_args = parse_arguments(ARGUMENT_CLASSES, argv)
     training_prompts = load_regenerated(args.data_dir)["prompt"]
     subsets = {}
     if "python_code" in args.subsets:
@@ -82,4 +94,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

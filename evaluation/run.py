@@ -45,7 +45,9 @@ from tqdm.auto import tqdm
 from transformers import AutoModel
 
 from carryover_common.benchmarks import EMBEDDED, encode_prompt, load_benchmark
-from carryover_common.cli import parse_arguments
+from carryover_common.checkpoints import check_drafter_folder, check_model_folder
+from carryover_common.cli import check_at_least, check_between, check_exists, parse_arguments, run_cli
+from carryover_common.outputs import check_output_dir, staged_folder
 from carryover_common.targets import LINEAR_BACKENDS, load_target, use_linear_backend
 from evaluation.plots import plot_acceptance_by_position, plot_latency, plot_tau
 from modeling_carryover import GenerationStats
@@ -80,7 +82,10 @@ class EvalArguments:
     )
     output_dir: str = field(default="outputs/eval")
     device: str | None = field(default=None, metadata={"help": "Default: cuda if available, else cpu."})
-    dtype: str = field(default="float32", metadata={"help": "Target and drafter dtype (float32, bfloat16, float16)."})
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "Target and drafter dtype.", "choices": ["float32", "bfloat16", "float16"]},
+    )
     linear_backend: str = field(
         default="default",
         metadata={"help": "Float32 CPU linear layers of the target and drafters, for plain and "
@@ -101,6 +106,27 @@ class EvalArguments:
         metadata={"help": "Continue the run in output_dir: prompts its records.jsonl.gz holds are not decoded again "
                   "(the target, drafters, prompts and decoding settings must be the same; threads may differ)."},
     )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Start a new run in a non-empty output_dir (its earlier results are replaced)."}
+    )
+
+    def __post_init__(self):
+        for spec in self.drafters:
+            path = parse_drafter(spec).path
+            check_exists("drafters", path, hub=True)
+            check_drafter_folder(path)
+        check_exists("target", self.target, hub=True)
+        check_model_folder(self.target)
+        if self.benchmark != EMBEDDED:
+            check_exists("benchmark", self.benchmark, hub=True)
+        check_at_least("limit", self.limit, 1, " prompt per subset (unset: all)")
+        check_at_least("temperatures", self.temperatures, 0, " (0: greedy)")
+        check_at_least("max_new_tokens", self.max_new_tokens, 1)
+        check_at_least("warmup", self.warmup, 0)
+        check_at_least("num_assistant_tokens", self.num_assistant_tokens, 1, " (unset: block_size - 1)")
+        check_between("draft_confidence_threshold", self.draft_confidence_threshold, 0.0, 1.0)
+        if self.resume and self.overwrite_output_dir:
+            raise ValueError("--resume continues the run in output_dir and --overwrite_output_dir replaces it: give one.")
 
 
 @dataclass
@@ -146,6 +172,18 @@ def load_drafters(specs: list[DrafterSpec], target, dtype) -> dict[str, tuple]:
         model = models[spec.path]
         drafters[spec.name] = (model, model.config.carryover if spec.carryover is None else spec.carryover)
     return drafters
+
+
+def check_num_assistant_tokens(num_assistant_tokens: int | None, drafters: dict) -> None:
+    """A round proposes at most block_size - 1 drafts: a larger --num_assistant_tokens would be capped (and recorded
+    as given), so it is refused."""
+    for name, (drafter, _) in drafters.items():
+        most = drafter.config.block_size - 1
+        if num_assistant_tokens is not None and num_assistant_tokens > most:
+            raise ValueError(
+                f"--num_assistant_tokens {num_assistant_tokens}: drafter {name!r} proposes at most {most} drafts a "
+                f"round (block_size {drafter.config.block_size}). Give at most {most}, or leave it unset."
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -615,16 +653,27 @@ def provenance(settings: dict, device) -> dict:
     }
 
 
+ARGUMENT_CLASSES = (EvalArguments,)
+
+
 def main(argv=None) -> dict:
-    (args,) = parse_arguments(EvalArguments, argv)
+    (args,) = parse_arguments(ARGUMENT_CLASSES, argv)
     specs = [parse_drafter(spec) for spec in args.drafters]
     gain_references(args, [spec.name for spec in specs])  # a bad --gains pair fails before any decoding
+    check_output_dir(
+        args.output_dir,
+        inputs=[args.target, *(spec.path for spec in specs), args.benchmark if args.benchmark != EMBEDDED else None],
+        resumable=args.resume,
+        overwrite=args.overwrite_output_dir,
+        flag="--resume true (to continue that run) or --overwrite_output_dir true (to start over)",
+    )
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
     benchmark = load_benchmark(args.benchmark, args.subsets, args.limit)
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)
     use_linear_backend(target, args.linear_backend)
     drafters = load_drafters(specs, target, dtype)
+    check_num_assistant_tokens(args.num_assistant_tokens, drafters)
     for drafter, _ in drafters.values():
         use_linear_backend(drafter, args.linear_backend)
     output_dir = Path(args.output_dir)
@@ -633,21 +682,23 @@ def main(argv=None) -> dict:
     tallies, from_earlier_runs = measure(target, tokenizer, drafters, benchmark, args, records)
     results = summarize(tallies, drafters, args)
 
-    write_acceptance_csvs(results, output_dir)
-    write_performance_csv(results, output_dir / "performance.csv")
     settings = {**asdict(args), "drafters": [asdict(spec) for spec in specs],
                 "drafter_configs": {name: d.config.to_diff_dict() for name, (d, _) in drafters.items()},
                 "subset_sizes": {name: len(prompts) for name, prompts in benchmark.items()},
                 "prompts_from_earlier_runs": from_earlier_runs}
     report = {"results": results, "provenance": provenance(settings, device)}
-    (output_dir / "report.json").write_text(to_json(report))
-    (output_dir / "table.md").write_text(markdown_table(results, list(drafters)))
-    plot_tau(results, output_dir / "tau.png")
-    plot_acceptance_by_position(results, output_dir / "acceptance_by_position.png")
-    plot_latency(results, output_dir / "latency.png")
-    print((output_dir / "table.md").read_text())
+    table = markdown_table(results, list(drafters))
+    with staged_folder(output_dir) as staging:  # the results replace an earlier run's only once all are written
+        write_acceptance_csvs(results, staging)
+        write_performance_csv(results, staging / "performance.csv")
+        (staging / "report.json").write_text(to_json(report))
+        (staging / "table.md").write_text(table)
+        plot_tau(results, staging / "tau.png")
+        plot_acceptance_by_position(results, staging / "acceptance_by_position.png")
+        plot_latency(results, staging / "latency.png")
+    print(table)
     return report
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

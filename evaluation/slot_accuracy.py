@@ -17,12 +17,13 @@ guide to compare sets, not a decoding measurement). -> slot_accuracy.json, slot_
 import json
 import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from carryover_common.cli import parse_arguments
+from carryover_common.checkpoints import check_drafter_folder, check_model_folder
+from carryover_common.cli import check_at_least, check_exists, parse_arguments
+from carryover_common.outputs import check_output_dir, staged_folder
 from carryover_common.targets import load_target
 from evaluation.plots import plot_slot_accuracy
 from evaluation.run import provenance
@@ -52,6 +53,21 @@ class SlotAccuracyArguments:
     max_seq_length: int = field(default=512)
     seed: int = field(default=0, metadata={"help": "Seeds the rows drawn and the anchors."})
     output_dir: str = field(default="outputs/slot_accuracy")
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Replace an earlier slot_accuracy.json/.png."})
+
+    def __post_init__(self):
+        drafters, sets = named(self.drafters, "drafters"), named(self.sets, "sets")
+        for path in drafters.values():
+            check_exists("drafters", path, hub=True)
+            check_drafter_folder(path)
+        check_exists("sets", list(sets.values()), hub=True)
+        check_exists("target", self.target, hub=True)
+        check_model_folder(self.target)
+        for name in ("rows", "num_anchors", "batch_size"):
+            check_at_least(name, getattr(self, name), 1)
+        check_at_least("max_seq_length", self.max_seq_length, 2)
+        check_output_dir(self.output_dir, inputs=[*drafters.values(), *sets.values(), self.target],
+                         files={"slot_accuracy.json", "slot_accuracy.png"}, overwrite=self.overwrite_output_dir)
 
 
 def named(specs: list[str], what: str) -> dict[str, str]:
@@ -105,9 +121,12 @@ def summary(sums: torch.Tensor) -> dict:
     }
 
 
+ARGUMENT_CLASSES = (SlotAccuracyArguments,)
+
+
 def main(argv=None) -> dict:
-    (args,) = parse_arguments(SlotAccuracyArguments, argv)
     try:
+        (args,) = parse_arguments(ARGUMENT_CLASSES, argv)
         drafter_paths, set_paths = named(args.drafters, "drafters"), named(args.sets, "sets")
         target, _ = load_target(args.target, tokenizer=False)
         drafters = {}
@@ -121,11 +140,10 @@ def main(argv=None) -> dict:
             results[set_name] = {"path": path, "rows": len(rows)} | {name: summary(s) for name, s in sums.items()}
     except (ValueError, OSError) as error:
         sys.exit(f"slot_accuracy: {error}")
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     report = {"sets": results, "provenance": provenance(asdict(args), target.device)}
-    (output_dir / "slot_accuracy.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot_slot_accuracy(results, list(drafters), output_dir / "slot_accuracy.png")
+    with staged_folder(args.output_dir) as output_dir:  # moved into output_dir once both files are written
+        (output_dir / "slot_accuracy.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot_slot_accuracy(results, list(drafters), output_dir / "slot_accuracy.png")
     for set_name, result in results.items():
         for name in drafters:
             accuracy = " ".join(f"{a:.3f}" for a in result[name]["slot_accuracy"])

@@ -57,6 +57,9 @@ from safetensors.torch import load_file, save_file
 from transformers import HfArgumentParser, MuseGlimmerAssistantConfig, PretrainedConfig, Qwen3Config
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from carryover_common.checkpoints import check_any_drafter_folder
+from carryover_common.cli import check_exists
+from carryover_common.outputs import check_output_dir, staged_folder
 from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
 
 FORMATS = {
@@ -725,28 +728,44 @@ class ConvertArguments:
         default=False,
         metadata={"help": "Accept DSpark's block layout (anchor slot = first prediction) to initialise training."},
     )
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Write into a non-empty --output_dir."})
+
+    def __post_init__(self):
+        self.check_format()
+        check_exists("source", self.source, hub=True)
+        if (Path(self.source) / "config.json").is_file():  # a folder without one: import_drafter lists the formats
+            check_any_drafter_folder(self.source)
+        check_output_dir(self.output_dir, inputs=[self.source], overwrite=self.overwrite_output_dir)
+
+    def check_format(self):
+        if self.to == "speculators" and not self.verifier:
+            raise ValueError("--to speculators needs --verifier (the target model's Hub id).")
+        if self.verifier and self.to not in ("speculators", "dflash"):
+            raise ValueError(f"--verifier has no effect with --to {self.to}: it is for --to speculators and --to dflash.")
 
 
 def convert(args: ConvertArguments) -> Path:
-    if args.to == "speculators" and not args.verifier:
-        raise ValueError("--to speculators needs --verifier (the target model's Hub id).")
-    if args.verifier and args.to not in ("speculators", "dflash"):
-        raise ValueError(f"--verifier has no effect with --to {args.to}: it is for --to speculators and --to dflash.")
+    args.check_format()  # again: a caller may have changed the fields since they were parsed
     drafter = import_drafter(args.source, revision=args.revision, init_only=args.init_only)
-    if args.to == "dflash":
-        head = None if args.verifier is None else target_lm_head(args.verifier, drafter)
-        return export_dflash(drafter, args.output_dir, target_lm_head=head)
-    if args.to == "speculators":
-        return export_speculators(drafter, args.output_dir, args.verifier)
-    if args.to == "transformers":
-        return export_transformers(drafter, args.output_dir)
-    drafter.save_pretrained(args.output_dir)
+    head = None if args.to != "dflash" or args.verifier is None else target_lm_head(args.verifier, drafter)
+    with staged_folder(args.output_dir) as staging:  # a failed export leaves nothing, and earlier files stay whole
+        if args.to == "dflash":
+            export_dflash(drafter, staging, target_lm_head=head)
+        elif args.to == "speculators":
+            export_speculators(drafter, staging, args.verifier)
+        elif args.to == "transformers":
+            export_transformers(drafter, staging)
+        else:
+            drafter.save_pretrained(staging)
     return Path(args.output_dir)
 
 
+ARGUMENT_CLASSES = (ConvertArguments,)
+
+
 def main(argv: list[str] | None = None) -> None:
-    (args,) = HfArgumentParser(ConvertArguments).parse_args_into_dataclasses(args=argv)
     try:
+        (args,) = HfArgumentParser(ARGUMENT_CLASSES).parse_args_into_dataclasses(args=argv)
         output_dir = convert(args)
     except (ValueError, OSError) as error:
         sys.exit(f"convert: {error}")

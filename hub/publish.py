@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 from huggingface_hub import HfApi, ModelCard, get_token
 
-from carryover_common.cli import parse_arguments
+from carryover_common.checkpoints import check_any_drafter_folder
+from carryover_common.cli import check_exists, parse_arguments
+from carryover_common.outputs import check_output_dir, staged_folder
 from carryover_common.targets import resolve_target_path
 from hub.convert import import_drafter
 from hub.model_card import render_model_card
@@ -97,6 +99,12 @@ class PublishArguments:
     commit_message: str | None = field(default=None, metadata={"help": "Commit message."})
     dry_run: bool = field(default=False, metadata={"help": "Build and validate the folder, upload nothing."})
 
+    def __post_init__(self):
+        check_exists("checkpoint", self.checkpoint)
+        check_any_drafter_folder(self.checkpoint)
+        check_exists("eval_report", self.eval_report)
+        check_exists("target", self.target, hub=True)
+
 
 def read_json(path: Path) -> dict:
     try:
@@ -112,10 +120,7 @@ def build_repo_folder(args: PublishArguments) -> Path:
     if not checkpoint.is_dir():
         raise ValueError(f"--checkpoint {checkpoint} is not a folder.")
     folder = Path(args.output_dir) if args.output_dir else checkpoint.with_name(checkpoint.name + "-hub")
-    if folder.resolve() == checkpoint.resolve():
-        raise ValueError("--output_dir must differ from --checkpoint.")
-    if folder.exists() and any(folder.iterdir()) and not args.overwrite_output_dir:
-        raise ValueError(f"{folder} exists and is not empty: pass --overwrite_output_dir or another --output_dir.")
+    check_output_dir(folder, inputs=[checkpoint, args.eval_report], overwrite=args.overwrite_output_dir)
 
     # Everything that can fail on bad inputs happens before the folder is touched.
     drafter = import_drafter(str(checkpoint))
@@ -128,13 +133,13 @@ def build_repo_folder(args: PublishArguments) -> Path:
 
     if args.dtype:
         drafter = drafter.to(getattr(torch, args.dtype))  # floating weights only: the draft token map stays int64
-    shutil.rmtree(folder, ignore_errors=True)
-    drafter.save_pretrained(folder)
-    card.save(folder / "README.md")
-    if training_arguments is not None:
-        shutil.copyfile(training_file, folder / TRAINING_ARGUMENTS_FILE)
-    if report is not None:
-        shutil.copyfile(args.eval_report, folder / EVAL_REPORT_FILE)
+    with staged_folder(folder, replace=True) as staging:  # the repo folder is exactly this build, once it is complete
+        drafter.save_pretrained(staging)
+        card.save(staging / "README.md")
+        if training_arguments is not None:
+            shutil.copyfile(training_file, staging / TRAINING_ARGUMENTS_FILE)
+        if report is not None:
+            shutil.copyfile(args.eval_report, staging / EVAL_REPORT_FILE)
     return folder
 
 
@@ -227,9 +232,12 @@ def publish(args: PublishArguments) -> Path:
     return folder
 
 
+ARGUMENT_CLASSES = (PublishArguments,)
+
+
 def main(argv: list[str] | None = None) -> None:
-    (args,) = parse_arguments(PublishArguments, argv)
     try:
+        (args,) = parse_arguments(ARGUMENT_CLASSES, argv)
         publish(args)
     except (PublishError, ValueError, OSError) as error:
         sys.exit(f"publish: {error}")

@@ -25,7 +25,9 @@ from typing import Literal
 
 from safetensors.torch import load_file, save_file
 
-from carryover_common.cli import parse_arguments
+from carryover_common.checkpoints import check_any_drafter_folder
+from carryover_common.cli import check_exists, parse_arguments
+from carryover_common.outputs import check_output_dir, staged_folder
 from hub.convert import export_dflash, import_drafter
 from modeling_carryover import CarryoverDrafterModel
 
@@ -78,16 +80,27 @@ class ExportArguments:
     carryover: Literal["checkpoint", "on", "off"] = field(
         default="checkpoint", metadata={"help": "Carryover for requests by default: the checkpoint's setting, on or off."}
     )
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Write into a non-empty --output_dir."})
+
+    def __post_init__(self):
+        check_exists("source", self.source, hub=True)
+        check_any_drafter_folder(self.source)
+        check_output_dir(self.output_dir, inputs=[self.source], overwrite=self.overwrite_output_dir)
+
+
+ARGUMENT_CLASSES = (ExportArguments,)
 
 
 def main(argv: list[str] | None = None) -> None:
-    (args,) = parse_arguments(ExportArguments, argv)
-    carryover = {"checkpoint": None, "on": True, "off": False}[args.carryover]
     try:
-        folder = export_vllm(import_drafter(args.source), args.output_dir, carryover=carryover)
+        (args,) = parse_arguments(ARGUMENT_CLASSES, argv)
+        carryover = {"checkpoint": None, "on": True, "off": False}[args.carryover]
+        drafter = import_drafter(args.source)
+        with staged_folder(args.output_dir) as staging:  # a failed export leaves nothing, and earlier files stay whole
+            export_vllm(drafter, staging, carryover=carryover)
     except (ValueError, OSError) as error:
         sys.exit(f"vllm_plugin: {error}")
-    print(f"Wrote a vLLM carryover export to {folder}")
+    print(f"Wrote a vLLM carryover export to {args.output_dir}")
 
 
 if __name__ == "__main__":

@@ -331,17 +331,19 @@ def test_a_recipe_file_with_overriding_flags(tmp_path):
     from trainer.run import ARGUMENT_CLASSES
 
     recipe = {"output_dir": "from-recipe", "target_layer_ids": [1, 8, 15], "block_size": 4, "carryover": True,
-              "learning_rate": 3e-4, "draft_vocab_size": None, "chat_template_kwargs": '{"enable_thinking": false}'}
+              "learning_rate": 3e-4, "draft_vocab_size": None, "chat_template_kwargs": '{"enable_thinking": false}',
+              "carry_rows": False}
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     before = torch.get_num_threads()
     try:
-        _, drafter, _, regeneration, carryover, training = parse_arguments(
+        _, drafter, _, regeneration, carryover, ablation, training = parse_arguments(
             ARGUMENT_CLASSES, [str(tmp_path / "recipe.yaml"), "--block_size", "8", "--output_dir", "from-flag"]
         )
     finally:
         torch.set_num_threads(before)
     assert drafter.target_layer_ids == [1, 8, 15] and drafter.block_size == 8 and drafter.draft_vocab_size is None
     assert carryover.carryover is True and training.learning_rate == 3e-4 and training.output_dir == "from-flag"
+    assert ablation.carry_rows is False  # an ablation flag parses into its own group
     assert json.loads(regeneration.chat_template_kwargs) == {"enable_thinking": False}
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"output_dir": "x", "blok_size": 4}))
     with pytest.raises(ValueError, match="blok_size"):

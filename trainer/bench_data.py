@@ -64,8 +64,11 @@ def measure_setting(args: BenchArguments, dtype: str, batch_size: int, threads: 
     return result
 
 
+ARGUMENT_CLASSES = (BenchArguments,)
+
+
 def main(argv=None):
-    (args,) = parse_arguments(BenchArguments, argv)
+    (args,) = parse_arguments(ARGUMENT_CLASSES, argv)
     settings = list(itertools.product(args.dtypes, args.batch_sizes, args.thread_counts))
     report = {"settings": asdict(args), "cpu_cores": os.cpu_count(), "results": []}
     context = multiprocessing.get_context("spawn")

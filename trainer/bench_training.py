@@ -178,8 +178,11 @@ RATIOS = {  # name: (numerator mode, denominator mode), where both ran in the sa
 }
 
 
+ARGUMENT_CLASSES = (BenchArguments,)
+
+
 def main(argv=None):
-    (args,) = parse_arguments(BenchArguments, argv)
+    (args,) = parse_arguments(ARGUMENT_CLASSES, argv)
     report = {
         "settings": asdict(args),
         "torch_threads": torch.get_num_threads(),

@@ -5,10 +5,13 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset, concatenate_datasets
 
+from carryover_common.checkpoints import check_drafter_folder
+from carryover_common.cli import check_at_least, check_exists
 from modeling_carryover import CarryoverDrafterConfig, CarryoverDrafterModel
 
 from .data import MANIFEST, TOKEN_FEATURES, load_regenerated, load_rows
@@ -87,6 +90,17 @@ class DrafterArguments:
         default=True,
         metadata={"help": "A new drafter starts from the target's last decoder layers, fc passing the last feature."},
     )
+
+    def __post_init__(self):
+        check_exists("drafter_checkpoint", self.drafter_checkpoint, hub=True)
+        check_drafter_folder(self.drafter_checkpoint)
+        check_at_least("num_draft_layers", self.num_draft_layers, 1)
+        check_at_least("block_size", self.block_size, 2, " (the anchor and at least one draft slot)")
+        check_at_least("target_layer_ids", self.target_layer_ids, 0)
+        check_at_least("mask_token_id", self.mask_token_id, 0)
+        check_at_least("intermediate_size", self.intermediate_size, 1)
+        check_at_least("markov_rank", self.markov_rank, 0, " (0: no Markov head)")
+        check_at_least("draft_vocab_size", self.draft_vocab_size, 1)
 
     def overrides(self) -> dict:
         """The config fields these arguments set explicitly."""
@@ -257,6 +271,21 @@ def load_training_rows(paths: str | Path | list, num_shards: int | list[int] | N
     return load_rows(path)
 
 
+def check_token_ids(rows: Dataset, vocab_size: int) -> None:
+    """Every input id must be a token of the target's vocabulary: a larger one would fail deep in an embedding lookup
+    (an IndexError naming no row), and one from another tokenizer would train on garbage."""
+    ids = pc.list_flatten(rows.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"])
+    if len(ids) == 0:
+        return
+    low, high = pc.min_max(ids).values()
+    if low.as_py() < 0 or high.as_py() >= vocab_size:
+        bad = low.as_py() if low.as_py() < 0 else high.as_py()
+        raise ValueError(
+            f"The training rows hold token id {bad}, outside the target's vocabulary [0, {vocab_size}): they were "
+            "tokenized for another model. Regenerate them with this target (`python -m trainer.regenerate`)."
+        )
+
+
 def prepare_rows(dataset: Dataset, max_seq_length: int) -> Dataset:
     """Check the columns, cut rows to `max_seq_length` (a features cache's FEATURE_INDEX column is kept), drop rows
     without two consecutive response tokens (no block can be anchored there: `anchor_eligible`). Raises a ValueError
@@ -276,6 +305,14 @@ def prepare_rows(dataset: Dataset, max_seq_length: int) -> Dataset:
         raise ValueError(
             f"{pc.sum(unequal).as_py()} rows have a loss_mask of another length than their input_ids (first: row "
             f"{pc.index(unequal, True).as_py()}): each token needs its 0/1 mask entry."
+        )
+    masks = pc.list_flatten(columns["loss_mask"])
+    zero_one = pa.array([0, 1], masks.type) if not pa.types.is_boolean(masks.type) else None
+    if zero_one is not None and len(masks) and not pc.all(pc.is_in(masks, value_set=zero_one)).as_py():
+        values = sorted(set(pc.unique(masks).to_pylist()) - {0, 1})
+        raise ValueError(
+            f"loss_mask holds {values[:5]}: it must be 0 (prompt: not trained on) or 1 (response) for every token. "
+            "Fix the rows (or regenerate them with `python -m trainer.regenerate`)."
         )
     dataset = dataset.map(
         lambda row: {"input_ids": row["input_ids"][:max_seq_length], "loss_mask": row["loss_mask"][:max_seq_length]}

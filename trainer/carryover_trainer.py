@@ -17,6 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import Trainer
 
+from carryover_common.cli import check_at_least
+
 from .features import FEATURE_INDEX, TargetFeatures
 from .objectives import LossSettings, default_gamma, training_layer_ids, training_step_loss
 from .verification import check_verification_support
@@ -55,6 +57,13 @@ class CarryoverArguments:
         },
     )
     verify_chunk_size: int = field(default=64, metadata={"help": "Anchors per packed target verification forward."})
+
+    def __post_init__(self):
+        check_at_least("num_anchors", self.num_anchors, 1)
+        check_at_least("verify_chunk_size", self.verify_chunk_size, 1)
+        for name in ("loss_gamma", "markov_ce_weight", "markov_l1_weight", "confidence_weight", "carry_embedding_lr",
+                     "carry_gate_lr"):
+            check_at_least(name, getattr(self, name), 0)
 
 
 @dataclass

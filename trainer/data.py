@@ -34,6 +34,8 @@ import torch
 from datasets import Dataset, DatasetDict, Features, List, Value
 from tqdm.auto import tqdm
 
+from carryover_common.outputs import write_atomic  # trainer.features and trainer.regenerate import it from here
+
 logger = logging.getLogger(__name__)
 
 PROMPT_COLUMNS = ("prompt", "instruction", "question", "messages", "conversations")
@@ -180,10 +182,16 @@ def load_rows(source, split: str = "train") -> Dataset:
         builder = _FILE_BUILDERS.get(suffixes[-1].lower() if suffixes else "")
         if builder is None:
             raise ValueError(f"{source}: unsupported file type (use {sorted(_FILE_BUILDERS)}, optionally .gz)")
+        text = builder in ("json", "csv")
+        # `datasets` reads text that is not UTF-8 without a word: checked first (fast: no JSON parsing)
+        problem = unreadable_line(path, parse=False) if text else None
+        if problem:
+            raise ValueError(f"{source}: {problem}")
         try:
             loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
-        except (ValueError, StopIteration) as error:  # what `datasets` raises for a file without rows
-            raise ValueError(f"{source}: no rows could be read (an empty file?): {error!r}") from error
+        except Exception as error:  # `datasets` names neither the file nor the line at fault
+            problem = unreadable_line(path) if text else None
+            raise ValueError(f"{source}: {problem or f'no rows could be read (an empty file?): {error}'}") from None
     else:
         loaded = datasets.load_dataset(str(source), split=split)  # a Hub dataset id: needs a network
     if isinstance(loaded, DatasetDict):
@@ -191,6 +199,26 @@ def load_rows(source, split: str = "train") -> Dataset:
             raise ValueError(f"{source}: no split {split!r}; splits: {list(loaded)}")
         loaded = loaded[split]
     return loaded
+
+
+def unreadable_line(path: Path, parse: bool = True) -> str | None:
+    """'line N: what is wrong' for the first line of a (possibly compressed) JSONL/JSON/CSV file that is not UTF-8
+    text or, in a JSONL file with `parse`, not one JSON value; None if every line reads."""
+    import fsspec  # reads .gz/.bz2/.xz/.zst transparently, as `datasets` does
+
+    jsonl = parse and ".jsonl" in path.suffixes
+    with fsspec.open(str(path), "rb", compression="infer") as file:
+        for number, line in enumerate(file, start=1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return f"line {number} is not UTF-8 text ({error.reason} at byte {error.start}): save the file as UTF-8"
+            if jsonl and text.strip():
+                try:
+                    json.loads(text)
+                except json.JSONDecodeError as error:
+                    return f"line {number} is not valid JSON ({error.msg}, column {error.colno}): {text.strip()[:80]!r}"
+    return None
 
 
 def _require_column(dataset: Dataset, column: str | None, source) -> None:
@@ -408,13 +436,6 @@ def _version(package: str) -> str | None:
 
 def _shard_path(output_dir: Path, shard: int) -> Path:
     return output_dir / f"shard-{shard:05d}.parquet"
-
-
-def write_atomic(path: Path, write) -> None:
-    """`write(temp_path)`, then rename: a reader (or a resumed run) never sees a half-written file."""
-    temp = path.with_name(path.name + ".tmp")
-    write(temp)
-    os.replace(temp, path)
 
 
 def _resume_view(manifest: dict) -> dict:

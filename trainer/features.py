@@ -30,11 +30,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from carryover_common.cli import parse_arguments
+from carryover_common.cli import check_at_least, check_exists, parse_arguments, run_cli
+from carryover_common.outputs import check_output_dir
 from carryover_common.targets import TargetArguments, default_device, load_target
 from modeling_carryover.configuration_carryover import check_target_layer_ids, default_target_layer_ids
 from modeling_carryover.modeling_carryover import hidden_state_request, layer_outputs
-from trainer.build import FEATURE_INDEX, concatenate_rows, load_training_rows, shard_counts
+from trainer.build import FEATURE_INDEX, check_token_ids, concatenate_rows, load_training_rows, shard_counts
 from trainer.data import _version, check_resumable, write_atomic
 from trainer.verification import target_pass
 
@@ -67,6 +68,13 @@ class FeatureArguments:
     max_seq_length: int = field(default=2048, metadata={"help": "Tokens stored per row (training may use fewer)."})
     shard_size: int = field(default=64, metadata={"help": "Rows per shard file."})
     batch_size: int = field(default=8, metadata={"help": "Rows per target forward."})
+
+    def __post_init__(self):
+        check_exists("dataset", self.dataset, hub=True)
+        check_at_least("dataset_shards", self.dataset_shards, 0, " (0: all of a dataset)")
+        check_at_least("target_layer_ids", self.target_layer_ids, 0)
+        for name in ("num_draft_layers", "max_seq_length", "shard_size", "batch_size"):
+            check_at_least(name, getattr(self, name), 1)
 
 
 def data_fingerprints(rows: Dataset, every: int) -> list[str]:
@@ -367,8 +375,14 @@ def rows_with_features(datasets: list[str], dataset_shards, features: list[str],
     return cache.attach([load_training_rows(path, n) for path, n in zip(datasets, counts)], max_seq_length), cache
 
 
+ARGUMENT_CLASSES = (TargetArguments, FeatureArguments)
+
+
 def main(argv=None):
-    target_args, args = parse_arguments((TargetArguments, FeatureArguments), argv)
+    target_args, args = parse_arguments(ARGUMENT_CLASSES, argv)
+    # a features folder is resumed or grown (its manifest is compared with the settings); any other is refused
+    resumable = (Path(args.output_dir) / FEATURES_MANIFEST).exists()
+    check_output_dir(args.output_dir, inputs=[*args.dataset, target_args.target], resumable=resumable, flag=None)
     target, _ = load_target(
         target_args.target,
         adapter=target_args.target_adapter,
@@ -379,9 +393,11 @@ def main(argv=None):
     num_layers = target.config.get_text_config(decoder=True).num_hidden_layers
     layer_ids = args.target_layer_ids or default_target_layer_ids(num_layers, args.num_draft_layers)
     layer_ids = list(layer_ids) + ([num_layers - 1] if args.final_hidden else [])
+    rows = load_training_rows(args.dataset, args.dataset_shards)
+    check_token_ids(rows, target.config.get_text_config().vocab_size)
     features = extract_features(
         target,
-        load_training_rows(args.dataset, args.dataset_shards),
+        rows,
         args.output_dir,
         layer_ids,
         dtype=getattr(torch, args.dtype),
@@ -395,4 +411,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

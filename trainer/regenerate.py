@@ -21,9 +21,11 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from carryover_common.cli import parse_arguments
+from carryover_common.cli import check_at_least, check_exists, parse_arguments, run_cli
+from carryover_common.outputs import check_output_dir
 from carryover_common.targets import EMBEDDED_TARGET, TargetArguments, default_device, load_target
 from trainer.data import (
+    MANIFEST,
     load_prompts,
     python_code_names,
     python_code_prompts,
@@ -74,6 +76,40 @@ class RegenerationArguments:
     generation_seed: int = field(default=0)
     chat_template_kwargs: str = field(default="{}", metadata={"help": 'JSON, e.g. {"enable_thinking": false}'})
 
+    def __post_init__(self):
+        check_exists("prompts", [p for p in self.prompts or () if p not in GENERATED_SOURCES], hub=True)
+        check_exists("exclude_prompts", self.exclude_prompts, hub=True)
+        check_at_least("num_prompts", self.num_prompts, 1, " (unset: all of a source)")
+        for name in ("magpie_max_new_tokens", "shard_size", "generation_batch_size", "max_new_tokens"):
+            check_at_least(name, getattr(self, name), 1)
+        check_at_least("top_k", self.top_k, 0, " (0: no top-k cut)")
+        check_at_least("max_total_length", self.max_total_length, 2)
+        if self.do_sample and self.temperature <= 0:
+            raise ValueError(
+                f"--temperature must be above 0 with --do_sample (greedy: leave --do_sample out), got {self.temperature}."
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top_p must be above 0 and at most 1 (1: no nucleus cut), got {self.top_p}.")
+        try:
+            kwargs = json.loads(self.chat_template_kwargs)
+        except json.JSONDecodeError as error:
+            example = '{"enable_thinking": false}'
+            raise ValueError(f"--chat_template_kwargs must be a JSON object, e.g. '{example}' ({error}).") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"--chat_template_kwargs must be a JSON object, got {self.chat_template_kwargs}.")
+
+
+GENERATED_SOURCES = ("magpie", "python-code", "python-stub")  # --prompts made here, not read from a file
+
+
+def check_data_dir(args: RegenerationArguments) -> None:
+    """--data_dir is new, or a regeneration this run resumes or grows (its manifest is compared with the settings
+    before any shard is written); a folder of other files is refused before the target is loaded."""
+    folder = Path(args.data_dir)
+    ours = folder.is_dir() and ((folder / MANIFEST).exists() or all(p.name.startswith("magpie-") for p in folder.iterdir()))
+    inputs = [p for p in args.prompts or () if p not in GENERATED_SOURCES] + list(args.exclude_prompts or ())
+    check_output_dir(folder, inputs=inputs, resumable=ours, flag=None, name="--data_dir")
+
 
 def magpie_prompts(target, tokenizer, args: RegenerationArguments, num_prompts: int) -> list:
     """Synthesised once and kept next to the data: sampling is costly, and a resumed run must see the same list."""
@@ -94,7 +130,7 @@ def magpie_prompts(target, tokenizer, args: RegenerationArguments, num_prompts: 
 
 
 def source_prompts(target, tokenizer, args: RegenerationArguments, source: str, num_prompts: int | None) -> list:
-    if source in ("magpie", "python-code", "python-stub") and not num_prompts:
+    if source in GENERATED_SOURCES and not num_prompts:
         raise ValueError(f"--prompts {source} needs its --num_prompts")
     if source == "magpie":
         return magpie_prompts(target, tokenizer, args, num_prompts)
@@ -143,10 +179,14 @@ def regenerate_from_args(target, tokenizer, args: RegenerationArguments, target_
     )
 
 
+ARGUMENT_CLASSES = (TargetArguments, RegenerationArguments)
+
+
 def main(argv=None):
-    target_args, args = parse_arguments((TargetArguments, RegenerationArguments), argv)
+    target_args, args = parse_arguments(ARGUMENT_CLASSES, argv)
     if not args.prompts:
         raise SystemExit("--prompts is required: a file, a save_to_disk folder, a Hub dataset id, 'magpie', 'python-code' or 'python-stub'")
+    check_data_dir(args)
     target, tokenizer = load_target(
         target_args.target, adapter=target_args.target_adapter, dtype=target_args.torch_dtype, device=default_device()
     )
@@ -156,4 +196,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

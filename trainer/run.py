@@ -30,12 +30,13 @@ import torch
 from transformers import TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from carryover_common.cli import parse_arguments
+from carryover_common.cli import check_at_least, check_exists, parse_arguments, run_cli
+from carryover_common.outputs import check_output_dir, move_into
 from carryover_common.targets import TargetArguments, default_device, load_target, warn_if_cpu_bf16_is_slow
-from trainer.build import DrafterArguments, build_drafter, load_training_rows, prepare_rows
+from trainer.build import DrafterArguments, build_drafter, check_token_ids, load_training_rows, prepare_rows
 from trainer.carryover_trainer import TRAINING_SETTINGS_FILE, AblationArguments, CarryoverArguments, CarryoverTrainer
 from trainer.features import rows_with_features
-from trainer.regenerate import RegenerationArguments, regenerate_from_args
+from trainer.regenerate import RegenerationArguments, check_data_dir, regenerate_from_args
 
 
 @dataclass
@@ -64,6 +65,18 @@ class DataArguments:
             "with the target."
         },
     )
+    # transformers 5 removed TrainingArguments.overwrite_output_dir: the project's own flag, with the same name
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train into a non-empty --output_dir (a drafter there is replaced when training ends)."},
+    )
+
+    def __post_init__(self):
+        check_exists("dataset", self.dataset, hub=True)
+        check_exists("features", self.features)
+        check_at_least("dataset_shards", self.dataset_shards, 0, " (0: all of a dataset)")
+        check_at_least("max_seq_length", self.max_seq_length, 2, " (an anchor and one token to draft)")
+        check_at_least("eval_rows", self.eval_rows, 0)
 
 
 ARGUMENT_CLASSES = (
@@ -77,10 +90,20 @@ ARGUMENT_CLASSES = (
 )
 
 
+def check_training_arguments(training_args: TrainingArguments) -> None:
+    """The TrainingArguments values that the Trainer would take without a word: 0 steps trains one and saves it."""
+    if training_args.max_steps == 0 or training_args.max_steps < -1:
+        raise ValueError(f"--max_steps must be at least 1 (-1: set by --num_train_epochs), got {training_args.max_steps}.")
+    if training_args.max_steps == -1 and training_args.num_train_epochs <= 0:
+        raise ValueError(f"--num_train_epochs must be above 0 (or give --max_steps), got {training_args.num_train_epochs}.")
+    check_at_least("learning_rate", training_args.learning_rate, 0)
+
+
 def main(argv=None):
     target_args, drafter_args, data_args, regeneration_args, carryover_args, ablation_args, training_args = (
         parse_arguments(ARGUMENT_CLASSES, argv)
     )
+    check_training_arguments(training_args)
     if not (data_args.dataset or regeneration_args.prompts):
         raise SystemExit("Give the training data: --dataset <folder>, or --prompts <source|magpie> to regenerate it.")
     if data_args.features and not data_args.dataset:
@@ -95,6 +118,15 @@ def main(argv=None):
             "--prompts regenerates in one process: run `python -m trainer.regenerate` (or trainer/run.py without "
             "torchrun) first, then train on its folder with --dataset."
         )
+    if regenerating:
+        check_data_dir(regeneration_args)
+    inputs = [*(data_args.dataset or [regeneration_args.data_dir]), *(data_args.features or [])]
+    check_output_dir(
+        training_args.output_dir,
+        inputs=[*inputs, drafter_args.drafter_checkpoint, target_args.target],
+        resumable=bool(training_args.resume_from_checkpoint),
+        overwrite=data_args.overwrite_output_dir,
+    )
     with training_args.main_process_first(desc="loading the target"):  # a cold cache converts the embedded GGUF once
         target, tokenizer = load_target(
             target_args.target,
@@ -114,6 +146,7 @@ def main(argv=None):
     else:
         rows = load_training_rows(data_args.dataset, data_args.dataset_shards)
     rows = prepare_rows(rows, data_args.max_seq_length)
+    check_token_ids(rows, target.config.get_text_config().vocab_size)
     eval_rows = None
     if data_args.eval_rows:
         split = rows.train_test_split(test_size=data_args.eval_rows, seed=training_args.seed)
@@ -143,7 +176,7 @@ def main(argv=None):
     if resume:
         check_resumed_inputs(resume, training_args.output_dir, inputs_record)
     trainer.train(resume_from_checkpoint=True if resume in ("true", "latest") else resume)
-    trainer.save_model(training_args.output_dir)
+    save_final_model(trainer, training_args.output_dir)
     if eval_rows is not None:
         trainer.evaluate()
     return trainer
@@ -166,6 +199,15 @@ def check_resumed_inputs(resume: str, output_dir: str, inputs_record: dict) -> N
         )
 
 
+def save_final_model(trainer, output_dir: str) -> None:
+    """Save the drafter into a temporary folder, then move its files into `output_dir`: a drafter already there stays
+    whole until the new one is complete. The folder has one name on every rank (FSDP saves from all of them)."""
+    staging = Path(output_dir) / ".final.partial"
+    trainer.save_model(str(staging))
+    if trainer.is_world_process_zero():
+        move_into(staging, output_dir)
+
+
 def end_distributed():
     """Leave the process group cleanly: a rank that exits with gloo's threads still running can abort at shutdown."""
     if torch.distributed.is_initialized():
@@ -174,5 +216,5 @@ def end_distributed():
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)
     end_distributed()
