@@ -843,7 +843,7 @@ def test_a_checkpoint_continues_on_larger_blocks(tmp_path):
     train_drafter(target, drafter, dataset, carryover=True, epochs=1)
     rounds = lossless_rounds(target, drafter, dataset, num_prompts=3, max_new_tokens=40)
     assert max(len(r.drafts) for r in rounds) == 6 and max(r.carried for r in rounds) > 3  # beyond the old 3 slots
-    with pytest.raises(ValueError, match="block_size must be >= 2"):
+    with pytest.raises(ValueError, match="block_size must be at least 2"):
         build_drafter(target, DrafterArguments(drafter_checkpoint=str(tmp_path / "block4"), block_size=1))
 
 
