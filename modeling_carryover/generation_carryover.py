@@ -419,7 +419,8 @@ class CarryoverCandidateGenerator(CandidateGenerator):
     @torch.no_grad()
     def _propose(self, input_ids, num_drafts):
         """Draft `num_drafts` tokens after `input_ids`. Returns candidates [1, L + c], the processed logits the drafts
-        were drawn from [1, c, V] (None for plain greedy decoding) and the drafter's top probability at each slot [c]."""
+        were drawn from for transformers [1, c, V] (None for plain greedy decoding), and the logits each draft was
+        chosen from [c, V or scored vocab] (what the speculation policy reads)."""
         device = self.drafter.device
         anchor_position_ids = torch.tensor([input_ids.shape[1] - 1], device=device)
         block_ids, block_position_ids = self.drafter.block_inputs(input_ids[:, -1].to(device), anchor_position_ids)
@@ -450,13 +451,11 @@ class CarryoverCandidateGenerator(CandidateGenerator):
     def _choose_drafts(self, input_ids, logits):
         """Pick drafts slot by slot as the target will judge them: logits processors see the sequence so far and the
         Markov head the previous choice. The returned logits are exactly those each draft was drawn from, over the
-        target's vocabulary (-inf outside a draft vocabulary: q = 0 there), and the top probability of each (slot k's
-        depends on the drafts before it only, never on its own draft, so trimming by it keeps sampling exact).
-        logits [c, scored vocab]"""
+        target's vocabulary (-inf outside a draft vocabulary: q = 0 there); slot k's depend on the drafts before it
+        only, never on its own draft, so trimming the block by them keeps sampling exact. logits [c, scored vocab]"""
         if not (self.do_sample or len(self.logits_processor)):  # plain greedy: the rule training uses too
             drafts, chosen_from = self.drafter.draft_tokens(logits, input_ids[0, -1].to(logits.device), return_logits=True)
-            confidence = chosen_from.float().softmax(-1).amax(-1)
-            return torch.cat([input_ids, drafts[None].to(input_ids.device)], dim=-1), None, confidence
+            return torch.cat([input_ids, drafts[None].to(input_ids.device)], dim=-1), None, chosen_from
         sequence, previous, chosen_from = input_ids, input_ids[:, -1], []
         logits = logits.to(input_ids.device)  # processors index with the sequence
         for slot_logits in logits.split(1):  # [1, scored vocab]
@@ -474,7 +473,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
             previous = draft[:, 0]
             chosen_from.append(slot_logits)
         chosen_from = torch.stack(chosen_from, dim=1)  # [1, c, V]
-        return sequence, chosen_from, chosen_from[0].softmax(-1).amax(-1)
+        return sequence, chosen_from, chosen_from[0]
 
     # -- the CandidateGenerator interface ------------------------------------------------------------------------
 
@@ -493,9 +492,10 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         policy_seconds = time.perf_counter() - started
         candidate_logits, confidence, predicted = None, None, None
         if kind == "draft":
-            candidates, candidate_logits, confidence = self._propose(input_ids, min(self.max_drafts, room))
+            candidates, candidate_logits, chosen_from = self._propose(input_ids, min(self.max_drafts, room))
             if self.policy is not None:
                 chosen = time.perf_counter()
+                confidence = chosen_from.float().softmax(-1).amax(-1)  # [c] the drafter's top probability per slot
                 num_drafts, predicted = self.policy.choose_num_drafts(confidence)
                 candidates = candidates[:, : input_ids.shape[1] + num_drafts]
                 candidate_logits = None if candidate_logits is None else candidate_logits[:, :num_drafts]

@@ -109,8 +109,8 @@ class MismatchedLogitsGenerator(CarryoverCandidateGenerator):
     """Negative control: drafts are sampled from q, but the logits handed to speculative sampling claim a flatter q."""
 
     def _choose_drafts(self, input_ids, logits):
-        candidates, chosen_from, confidence = super()._choose_drafts(input_ids, logits)
-        return candidates, chosen_from / 4, confidence
+        candidates, candidate_logits, chosen_from = super()._choose_drafts(input_ids, logits)
+        return candidates, candidate_logits / 4, chosen_from
 
 
 def test_mismatched_candidate_logits_are_detected():
