@@ -34,7 +34,7 @@ import torch
 from datasets import Dataset, DatasetDict, Features, List, Value
 from tqdm.auto import tqdm
 
-from carryover_common.outputs import write_atomic  # trainer.features and trainer.regenerate import it from here
+from carryover_common.outputs import write_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -31,12 +31,12 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from carryover_common.cli import check_at_least, check_exists, parse_arguments, run_cli
-from carryover_common.outputs import check_output_dir
+from carryover_common.outputs import check_output_dir, write_atomic
 from carryover_common.targets import TargetArguments, default_device, load_target
 from modeling_carryover.configuration_carryover import check_target_layer_ids, default_target_layer_ids
 from modeling_carryover.modeling_carryover import hidden_state_request, layer_outputs
 from trainer.build import FEATURE_INDEX, check_token_ids, concatenate_rows, load_training_rows, shard_counts
-from trainer.data import _version, check_resumable, write_atomic
+from trainer.data import _version, check_resumable
 from trainer.verification import target_pass
 
 logger = logging.getLogger(__name__)
