@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from carryover_common.checkpoints import check_model_folder
 from carryover_common.cli import check_exists
-from modeling_carryover.modeling_carryover import OneDNNLinear
+from modeling_carryover.generation_carryover import OneDNNLinear, onednn_available, swap_in_onednn_linears
 
 logger = logging.getLogger(__name__)
 
@@ -125,25 +125,34 @@ def load_target(name_or_path: str | None = None, adapter: str | None = None, dty
     return model, tokenizer
 
 
-LINEAR_BACKENDS = ("default", "onednn")
+LINEAR_BACKENDS = ("auto", "default", "onednn")
+
+
+def resolve_linear_backend(backend: str, model: nn.Module) -> str:
+    """"auto" -> "onednn" for a float32 model on CPU where torch has oneDNN's kernels (the faster path measured in
+    experiments/onednn-linear), else "default"; any other name as it is."""
+    if backend != "auto":
+        return backend
+    parameter = next(model.parameters())
+    on_cpu_float32 = parameter.device.type == "cpu" and parameter.dtype == torch.float32
+    return "onednn" if on_cpu_float32 and onednn_available() else "default"
 
 
 def use_linear_backend(model: nn.Module, backend: str) -> nn.Module:
     """Run `model`'s float32 linear layers with `backend`: "default" (torch's own GEMM) leaves it as it is; "onednn"
-    swaps each `nn.Linear` for a `OneDNNLinear` in place (CPU, float32). Returns `model`."""
+    swaps each `nn.Linear` for a `OneDNNLinear` in place (CPU, float32); "auto" is "onednn" where that applies
+    (`resolve_linear_backend`). Returns `model`."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"Unknown linear backend {backend!r}: choose one of {LINEAR_BACKENDS}.")
+    backend = resolve_linear_backend(backend, model)
     if backend == "default":
         return model
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if not onednn_available():
         raise RuntimeError("--linear_backend onednn needs a torch build with oneDNN (mkldnn) linear kernels; this one "
                            f"({torch.__version__}) has none: use --linear_backend default.")
     parameter = next(model.parameters())
     if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
         raise ValueError(f"--linear_backend onednn is for float32 models on CPU; this one is {parameter.dtype} on "
                          f"{parameter.device}.")
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                setattr(module, name, OneDNNLinear(child.weight, child.bias))
+    swap_in_onednn_linears(model)
     return model

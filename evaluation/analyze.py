@@ -97,7 +97,8 @@ class Recording:
 @torch.no_grad()
 def record(target, drafter, inputs, max_new_tokens, hidden_state_indices) -> Recording | None:
     sequence = carryover_generate(
-        target, **inputs, assistant_model=drafter, carryover=True, max_new_tokens=max_new_tokens, do_sample=False
+        target, **inputs, assistant_model=drafter, carryover=True, max_new_tokens=max_new_tokens, do_sample=False,
+        linear_backend="default",  # the replays run the target's modules as they are: so does the recording
     )
     rounds = drafter.generation_stats.rounds
     if not rounds:  # a one-token answer has no round
@@ -344,7 +345,7 @@ def run_analysis(command, args: AnalysisArguments) -> dict:
             elif command == "reconvergence":
                 collected["rejected"] += rejected_round_statistics(recording)
                 carryover_generate(target, **inputs, assistant_model=drafters["baseline"], carryover=False,
-                                   max_new_tokens=args.max_new_tokens, do_sample=False)
+                                   max_new_tokens=args.max_new_tokens, do_sample=False, linear_backend="default")
                 collected["baseline_rounds"] += drafters["baseline"].generation_stats.rounds
             else:
                 collected["attention"].append((on.attention_shares, carried[2][0].sum(-1)))

@@ -145,7 +145,7 @@ def main(argv=None):
             else:
                 out = carryover_generate(
                     target, **inputs, assistant_model=drafter, carryover=modes[mode],
-                    max_new_tokens=args.max_new_tokens, do_sample=False,
+                    max_new_tokens=args.max_new_tokens, do_sample=False, linear_backend="default",  # as plain's
                 )
                 rounds[mode] += drafter.generation_stats.rounds
             _synchronize(target.device)

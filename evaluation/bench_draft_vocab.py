@@ -68,7 +68,8 @@ def drafting_seconds_per_round(target, tokenizer, drafters, args) -> dict:
         for size in rotated(list(drafters), index):
             drafter = drafters[size].eval()
             carryover_generate(
-                target, **inputs, assistant_model=drafter, carryover=False, max_new_tokens=args.max_new_tokens, do_sample=False
+                target, **inputs, assistant_model=drafter, carryover=False, max_new_tokens=args.max_new_tokens, do_sample=False,
+                linear_backend="default",
             )
             seconds[size] += [r.draft_seconds for r in drafter.generation_stats.rounds]
     return {size: statistics.fmean(values) for size, values in seconds.items()}

@@ -76,7 +76,8 @@ def decode(method, target, drafter, inputs, temperature, seed, args) -> tuple[li
     else:
         policy = {"fixed": {"speculation_policy": "fixed"}, "adaptive": {"speculation_policy": "adaptive"},
                   "threshold": {"speculation_policy": "fixed", "draft_confidence_threshold": args.draft_confidence_threshold}}
-        output = carryover_generate(target, assistant_model=drafter, **policy[method], **kwargs)
+        # linear_backend "default": the modules as main() set them, the same for every method
+        output = carryover_generate(target, assistant_model=drafter, **policy[method], linear_backend="default", **kwargs)
     seconds = time.perf_counter() - started
     rounds = [asdict(r) for r in drafter.generation_stats.rounds] if method in ("fixed", "threshold", "adaptive") else []
     return output[0, inputs["input_ids"].shape[1] :].tolist(), seconds, rounds

@@ -79,7 +79,7 @@ def drafting_milliseconds(args, target, tokenizer, drafter, num_drafts: int) -> 
         inputs = encode_prompt(tokenizer, prompt).to(target.device)
         carryover_generate(
             target, **inputs, assistant_model=drafter, num_assistant_tokens=num_drafts,
-            max_new_tokens=args.max_new_tokens, do_sample=False,
+            max_new_tokens=args.max_new_tokens, do_sample=False, linear_backend="default",  # the backend under test
         )
         seconds += [r.draft_seconds for r in drafter.generation_stats.rounds if r.proposed == num_drafts]
     return statistics.fmean(seconds) * 1e3

@@ -48,7 +48,7 @@ from carryover_common.benchmarks import EMBEDDED, encode_prompt, load_benchmark
 from carryover_common.checkpoints import check_drafter_folder, check_model_folder
 from carryover_common.cli import check_at_least, check_between, check_exists, parse_arguments, run_cli
 from carryover_common.outputs import check_output_dir, staged_folder
-from carryover_common.targets import LINEAR_BACKENDS, load_target, use_linear_backend
+from carryover_common.targets import LINEAR_BACKENDS, load_target, resolve_linear_backend, use_linear_backend
 from evaluation.plots import plot_acceptance_by_position, plot_latency, plot_tau
 from modeling_carryover import GenerationStats
 from modeling_carryover import generate as carryover_generate
@@ -87,10 +87,11 @@ class EvalArguments:
         metadata={"help": "Target and drafter dtype.", "choices": ["float32", "bfloat16", "float16"]},
     )
     linear_backend: str = field(
-        default="default",
+        default="auto",
         metadata={"help": "Float32 CPU linear layers of the target and drafters, for plain and "
-                  "speculative decoding alike: 'default' (torch's GEMM) or 'onednn' (carryover_common.targets.OneDNNLinear; "
-                  "on CPUs whose GEMM is slow for a few rows, verification costs much less).",
+                  "speculative decoding alike: 'default' (torch's GEMM), 'onednn' (carryover_common.targets.OneDNNLinear; "
+                  "on CPUs whose GEMM is slow for a few rows, verification costs much less) or 'auto' (oneDNN for "
+                  "float32 on CPU, as `generate` does by default; recorded as the backend it resolved to).",
                   "choices": list(LINEAR_BACKENDS)},
     )
     num_assistant_tokens: int | None = field(
@@ -331,7 +332,7 @@ def decode(target, inputs, drafter, carryover, temperature, max_new_tokens, seed
     else:
         output = carryover_generate(
             target, assistant_model=drafter, carryover=carryover, num_assistant_tokens=args.num_assistant_tokens,
-            draft_confidence_threshold=args.draft_confidence_threshold, **kwargs,
+            draft_confidence_threshold=args.draft_confidence_threshold, linear_backend="default", **kwargs,
         )
     _synchronize(target.device)
     seconds = time.perf_counter() - started
@@ -671,6 +672,7 @@ def main(argv=None) -> dict:
     dtype = getattr(torch, args.dtype)
     benchmark = load_benchmark(args.benchmark, args.subsets, args.limit)
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    args.linear_backend = resolve_linear_backend(args.linear_backend, target)  # what ran, in the identity and report
     use_linear_backend(target, args.linear_backend)
     drafters = load_drafters(specs, target, dtype)
     check_num_assistant_tokens(args.num_assistant_tokens, drafters)

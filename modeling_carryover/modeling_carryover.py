@@ -27,6 +27,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import ModelOutput
 
 from .configuration_carryover import CarryoverDrafterConfig
+from .generation_carryover import OneDNNLinear
 from .generation_carryover import generate as carryover_generate  # its file is saved as custom_generate/generate.py
 
 USAGE_HINT = (
@@ -49,36 +50,6 @@ _LIST_INDEXES_FULL_TUPLE = version.parse(transformers.__version__).release >= (5
 
 # save_pretrained(push_to_hub=True, ...) arguments that belong to push_to_hub
 PUSH_TO_HUB_KWARGS = ("repo_id", "commit_message", "commit_description", "private", "revision", "create_pr", "tags")
-
-
-class OneDNNLinear(nn.Linear):
-    """An `nn.Linear` whose float32 CPU inference runs as a oneDNN matmul against a copy of its weight packed once
-    into oneDNN's blocked layout (the kernel and packing that torch.compile's CPU backend uses for linear layers).
-
-    Why: on some CPUs (the 2-core AMD EPYC machine here) the default float32 GEMM (MKL) costs about M times one row
-    for the M = 1-8 rows that decoding and verification feed, so a 2-token SmolLM2 forward cost 1.7-2.2 plain steps;
-    oneDNN's cost grows slowly with M. Same weights, float32 both ways: outputs agree to float32 rounding. Training,
-    other dtypes and devices take `nn.Linear`'s own path; the packed copy is made again if the weight changes."""
-
-    def __init__(self, weight, bias=None):
-        nn.Module.__init__(self)
-        self.out_features, self.in_features = weight.shape
-        self.weight, self.bias = weight, bias  # the swapped layer's own: tied weights stay tied, the state dict unchanged
-        self._packed = None  # (key, weight in oneDNN's layout)
-
-    def _packed_weight(self):
-        key = (self.weight.data_ptr(), self.weight._version)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()))
-        return self._packed[1]
-
-    def forward(self, x):
-        fast = x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
-        if not fast or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
-            return super().forward(x)
-        bias = None if self.bias is None else self.bias.detach()
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self._packed_weight(), bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
 
 
 def hidden_state_request(target_layer_ids: list[int]) -> list[int]:

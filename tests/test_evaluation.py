@@ -477,14 +477,17 @@ def test_an_interrupted_run_resumes_from_its_records(workspace, tmp_path):
 
 def test_onednn_linears_stay_lossless_and_are_recorded(workspace, tmp_path):
     """--linear_backend onednn: target and drafters run their linear layers in oneDNN; greedy outputs still equal
-    plain greedy ones (plain decoding uses the same target), the setting is recorded, and a resumed run must share it."""
+    plain greedy ones (plain decoding uses the same target), the setting is recorded, and a resumed run must share it.
+    The default, auto, is oneDNN for float32 on CPU and is recorded as what it resolved to."""
     argv = eval_argv(workspace, tmp_path / "out", temperatures=("0",)) + ["--limit", "1"]
     report = run.main(argv + ["--linear_backend", "onednn"])
     speculative = [r for r in report["results"] if r["drafter"] != run.PLAIN]
     assert speculative and all(r["mismatches"] == 0 for r in speculative)
     assert report["provenance"]["settings"]["linear_backend"] == "onednn"
     with pytest.raises(ValueError, match="differ in linear_backend"):
-        run.main(argv + ["--resume", "true"])
+        run.main(argv + ["--resume", "true", "--linear_backend", "default"])
+    resumed = run.main(argv + ["--resume", "true"])  # auto resolves to the same backend: the run continues
+    assert resumed["provenance"]["settings"]["linear_backend"] == "onednn"
     with pytest.raises(SystemExit):
         run.main(argv + ["--linear_backend", "mkl"])
 

@@ -134,6 +134,51 @@ def test_onednn_linears_keep_the_weights_outputs_and_lossless_decoding():
         use_linear_backend(make_target().to(torch.bfloat16), "onednn")
 
 
+@pytest.mark.parametrize("backend", ["auto", "default"])
+def test_generate_runs_onednn_linears_for_the_call_and_restores_the_users_modules(backend):
+    """`linear_backend="auto"`: inside `generate` the float32 CPU linear layers of target and drafter are
+    OneDNNLinear, after it the user's own nn.Linear modules are back; the text is plain greedy's, and a second call
+    reuses the packed weights instead of packing them again. "default" (and no keyword) leaves them alone."""
+    from conftest import TINY, make_drafter, make_target
+    from torch import nn
+    from transformers import StoppingCriteria
+
+    from carryover_common.targets import OneDNNLinear
+    from modeling_carryover import generate as carryover_generate
+
+    target = make_target(tie_word_embeddings=True)
+    drafter = make_drafter(target, carryover=True)
+    modules = {name: module for name, module in target.named_modules() if type(module) is nn.Linear}
+    drafter_modules = {name: module for name, module in drafter.named_modules() if type(module) is nn.Linear}
+    seen = []
+
+    class RecordHeadType(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            seen.append((type(target.lm_head), type(drafter.fc)))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    prompt = torch.randint(0, TINY["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(1))
+    expected = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    for keyword in ({"linear_backend": backend}, {"linear_backend": backend} if backend == "auto" else {}):
+        output = carryover_generate(target, prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False,
+                                    stopping_criteria=[RecordHeadType()], **keyword)
+        assert torch.equal(output, expected)
+    inside = OneDNNLinear if backend == "auto" else nn.Linear
+    assert seen and set(seen) == {(inside, inside)}
+    assert {name: m for name, m in target.named_modules() if type(m) is nn.Linear} == modules  # the same objects
+    assert {name: m for name, m in drafter.named_modules() if type(m) is nn.Linear} == drafter_modules
+    assert not any(type(m) is OneDNNLinear for m in [*target.modules(), *drafter.modules()])
+    if backend == "auto":
+        twin = target.lm_head.__dict__["_onednn_twin"]
+        assert twin.weight is target.lm_head.weight and twin._packed is not None  # packed in the first call, kept
+        assert "_onednn_twin" not in dict(target.lm_head.named_children())
+    with pytest.raises(ValueError, match="linear_backend must be one of"):
+        carryover_generate(target, prompt, assistant_model=drafter, max_new_tokens=4, linear_backend="mkl")
+    with pytest.raises(ValueError, match="needs float32 models on CPU"):
+        carryover_generate(target.to(torch.bfloat16), prompt, assistant_model=drafter.to(torch.bfloat16),
+                           max_new_tokens=4, linear_backend="onednn")
+
+
 @pytest.mark.parametrize("emulated", [True, False])
 def test_a_bf16_target_on_a_cpu_without_native_bf16_is_warned_about(tmp_path, monkeypatch, caplog, emulated):
     """On an AVX2-only CPU oneDNN emulates bf16 (the embedded target's forward: 85 s against 12 s in float32): loading
