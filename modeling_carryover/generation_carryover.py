@@ -751,8 +751,8 @@ def generate(
     `confident_drafts`); "fixed" is the default. Both stay within `num_assistant_tokens` (drafts per round; unset: all `block_size - 1`).
     `linear_backend` (or the generation config's field): "default" leaves the linear layers as they are; "auto" runs
     the float32 CPU linear layers of target and drafter with oneDNN for the call where torch has its kernels
-    (`linear_backend_of`; the user's modules are restored after), "onednn" insists. Opt-in until measured against the
-    user's plain call on a quiet machine (experiments/speculative-linear-default).
+    (`linear_backend_of`; the user's modules are restored after), "onednn" insists. Opt-in: it paid on the host of
+    experiments/onednn-linear, not on the one of experiments/speculative-linear-default.
     Afterwards `assistant_model.generation_stats` holds the per-round records.
     """
     if assistant_model is None or not hasattr(assistant_model, "block_inputs"):
