@@ -13,7 +13,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from carryover_common.checkpoints import check_model_folder
 from carryover_common.cli import check_exists
-from modeling_carryover.generation_carryover import OneDNNLinear, onednn_available, swap_in_onednn_linears
+from modeling_carryover.generation_carryover import (
+    OneDNNLinear,
+    onednn_available,
+    resolve_linear_backend,
+    swap_in_onednn_linears,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,16 +131,6 @@ def load_target(name_or_path: str | None = None, adapter: str | None = None, dty
 
 
 LINEAR_BACKENDS = ("auto", "default", "onednn")
-
-
-def resolve_linear_backend(backend: str, model: nn.Module) -> str:
-    """"auto" -> "onednn" for a float32 model on CPU where torch has oneDNN's kernels (the faster path measured in
-    experiments/onednn-linear), else "default"; any other name as it is."""
-    if backend != "auto":
-        return backend
-    parameter = next(model.parameters())
-    on_cpu_float32 = parameter.device.type == "cpu" and parameter.dtype == torch.float32
-    return "onednn" if on_cpu_float32 and onednn_available() else "default"
 
 
 def use_linear_backend(model: nn.Module, backend: str) -> nn.Module:

@@ -48,11 +48,11 @@ from carryover_common.benchmarks import EMBEDDED, encode_prompt, load_benchmark
 from carryover_common.checkpoints import check_drafter_folder, check_model_folder
 from carryover_common.cli import check_at_least, check_between, check_exists, parse_arguments, run_cli
 from carryover_common.outputs import check_output_dir, staged_folder
-from carryover_common.targets import LINEAR_BACKENDS, load_target, resolve_linear_backend, use_linear_backend
+from carryover_common.targets import LINEAR_BACKENDS, load_target, use_linear_backend
 from evaluation.plots import plot_acceptance_by_position, plot_latency, plot_tau
 from modeling_carryover import GenerationStats
 from modeling_carryover import generate as carryover_generate
-from modeling_carryover.generation_carryover import DraftRound, _synchronize, drafts_per_round
+from modeling_carryover.generation_carryover import DraftRound, _synchronize, drafts_per_round, resolve_linear_backend
 from trainer.features import weights_fingerprint
 
 PLAIN = "plain"

@@ -708,6 +708,16 @@ def swap_in_onednn_linears(model: nn.Module) -> list:
 LINEAR_BACKENDS = ("auto", "onednn", "default")
 
 
+def resolve_linear_backend(backend: str, *models) -> str:
+    """"auto" -> "onednn" where every model is float32 on CPU and torch has oneDNN's kernels, else "default"; any
+    other name as it is."""
+    if backend != "auto":
+        return backend
+    parameters = [next(model.parameters()) for model in models]
+    on_cpu_float32 = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in parameters)
+    return "onednn" if on_cpu_float32 and onednn_available() else "default"
+
+
 @contextlib.contextmanager
 def linear_backend_of(backend: str, *models):
     """Inside the block, the float32 CPU `nn.Linear` layers of `models` run with `backend`: "onednn" as `OneDNNLinear`
@@ -718,11 +728,9 @@ def linear_backend_of(backend: str, *models):
     machine here against 1.25-1.51 with oneDNN, and a plain step itself 1.6-1.9x as long (experiments/onednn-linear)."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}.")
-    parameters = [next(model.parameters()) for model in models]
-    on_cpu_float32 = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in parameters)
-    if backend == "onednn" and not (on_cpu_float32 and onednn_available()):
+    if backend == "onednn" and resolve_linear_backend("auto", *models) != "onednn":
         raise ValueError("linear_backend='onednn' needs float32 models on CPU and a torch build with oneDNN kernels.")
-    if backend == "default" or not (on_cpu_float32 and onednn_available()):
+    if resolve_linear_backend(backend, *models) == "default":
         yield
         return
     swapped = [swap for model in models for swap in swap_in_onednn_linears(model)]
