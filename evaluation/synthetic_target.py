@@ -43,6 +43,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from carryover_common.benchmarks import encode_prompt
 from carryover_common.cli import check_at_least, check_between, parse_arguments, run_cli
 from carryover_common.outputs import check_output_dir, staged_folder
 
@@ -189,8 +190,7 @@ def training_batch(rng: random.Random, rules: Rules, tokenizer, args: SyntheticA
     rows, labels = [], []
     for _ in range(args.batch_size):
         prompt = make_prompt(rng, rng.choice(args.rhos), args)
-        messages = [{"role": "user", "content": prompt.text()}]
-        prefix = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        prefix = encode_prompt(tokenizer, prompt.text())["input_ids"][0].tolist()
         answer = tokenizer(" ".join(rules.response(prompt, args.response_tokens)), add_special_tokens=False)
         rows.append(prefix + answer["input_ids"])
         labels.append([-100] * len(prefix) + answer["input_ids"])
@@ -256,10 +256,7 @@ def rule_accuracy(model, rules: Rules, tokenizer, held_out: dict, num_prompts: i
     for rho, prompts in held_out.items():
         followed = []
         for prompt in prompts[:num_prompts]:
-            inputs = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt.text()}], add_generation_prompt=True, return_tensors="pt",
-                return_dict=True,
-            )
+            inputs = encode_prompt(tokenizer, prompt.text())
             output = model.generate(**inputs, max_new_tokens=length, do_sample=False, pad_token_id=tokenizer.pad_token_id)
             words = tokenizer.convert_ids_to_tokens(output[0, inputs["input_ids"].shape[1] :].tolist())
             expected = rules.response(prompt, length)

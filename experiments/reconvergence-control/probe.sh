@@ -15,11 +15,9 @@ for variant in carryover control; do
   [ -f "$out/model.safetensors" ] && continue
   flags=()
   [ "$variant" = carryover ] && flags=(--carryover true)
-  python trainer/run.py --target "$T/target" --dataset "$OUT/data" --features "$OUT/features" \
-    --drafter_checkpoint "$OUT/baseline" --max_steps "$STEPS" --warmup_steps 0 --learning_rate "$LR" \
-    --block_size 8 --num_anchors 64 --per_device_train_batch_size 8 --max_seq_length 256 \
-    --output_dir "$out" --save_steps 100 --save_total_limit 1 --logging_steps 25 --report_to none --use_cpu true \
-    --seed 0 --threads "$THREADS" "${flags[@]}"
+  python trainer/run.py experiments/reconvergence-control/drafter.yaml --target "$T/target" --dataset "$OUT/data" \
+    --features "$OUT/features" --drafter_checkpoint "$OUT/baseline" --max_steps "$STEPS" --warmup_steps 0 \
+    --learning_rate "$LR" --output_dir "$out" --threads "$THREADS" "${flags[@]}"
 done
 python evaluation/run.py --target "$T/target" --benchmark "$T/benchmark" --subsets rho_0.00 rho_1.00 \
   --drafters carryover="$OUT/probe-$NAME/carryover" control="$OUT/probe-$NAME/control" --gains carryover=control \

@@ -36,10 +36,9 @@ train() {  # output_dir, extra flags...; resumes from the last checkpoint of an 
   [ -f "$out/model.safetensors" ] && return 0
   local resume=()
   ls -d "$out"/checkpoint-* >/dev/null 2>&1 && resume=(--resume_from_checkpoint latest)
-  python trainer/run.py --target "$T/target" --dataset "$OUT/data" --features "$OUT/features" \
-    --num_draft_layers "$DRAFT_LAYERS" --target_layer_ids $LAYERS --block_size 8 --num_anchors 64 --per_device_train_batch_size 8 --max_seq_length 256 \
-    --output_dir "$out" --save_steps 100 --save_total_limit 1 --logging_steps 25 --report_to none --use_cpu true \
-    --seed 0 --threads "$THREADS" "${resume[@]}" "$@"
+  python trainer/run.py experiments/reconvergence-control/drafter.yaml --target "$T/target" --dataset "$OUT/data" \
+    --features "$OUT/features" --num_draft_layers "$DRAFT_LAYERS" --target_layer_ids $LAYERS --output_dir "$out" \
+    --threads "$THREADS" "${resume[@]}" "$@"
 }
 # 3. The baseline, then its two continuations of equal length from the same weights and data order.
 train "$OUT/baseline" --max_steps "$BASELINE_STEPS" --learning_rate 1e-3 --warmup_steps 50 --lr_scheduler_type cosine
